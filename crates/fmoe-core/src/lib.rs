@@ -1,0 +1,30 @@
+//! fmoe-core: the types every other fmoe crate speaks.
+//!
+//! - [`DType`] names element types (f32, bf16, f16 and OCP fp8 e4m3fn); [`WithDType`] ties each to
+//!   its Rust type so kernels can be generic over weights.
+//! - [`Tensor`] is a shaped, typed buffer on a [`Device`]. Its [`Storage`] is an enum with one
+//!   variant per backend, so a new backend (CUDA) adds a variant and kernel arms, while layer and
+//!   model code keep calling the same kernel-library functions.
+//! - [`Error`] is the crate's error: every variant names the operation and the tensor at fault.
+//! - [`env`] parses the `FMOE_*` switches, each variable on its own (no cascade here: the MoE layer
+//!   decides what a combination means).
+//!
+//! ```
+//! use fmoe_core::{Device, DType, Tensor};
+//! let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2], &Device::Cpu).unwrap();
+//! assert_eq!(t.dims(), &[2, 2]);
+//! assert_eq!(t.to_dtype(DType::BF16).unwrap().dtype(), DType::BF16);
+//! ```
+
+mod device;
+mod dtype;
+pub mod env;
+mod error;
+mod shape;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, F8E4M3, FP8_E4M3_MAX, WithDType, bf16, f16};
+pub use error::{Error, Result};
+pub use shape::Shape;
+pub use tensor::{CpuStorage, Storage, Tensor};

@@ -1,0 +1,256 @@
+//! Shaped, typed buffers. Tensors are immutable and cheap to clone (the storage is shared); kernels
+//! produce new tensors.
+
+use std::sync::Arc;
+
+use crate::{DType, Device, Error, F8E4M3, Result, Shape, WithDType, bf16, f16};
+
+/// Host memory, one variant per dtype.
+#[derive(Clone, Debug)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    F8E4M3(Vec<F8E4M3>),
+}
+
+impl CpuStorage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::F8E4M3(_) => DType::F8E4M3,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::F8E4M3(v) => v.len(),
+        }
+    }
+
+    fn to_f32_vec(&self) -> Vec<f32> {
+        fn conv<T: WithDType>(v: &[T]) -> Vec<f32> {
+            v.iter().map(|x| x.to_f32()).collect()
+        }
+        match self {
+            CpuStorage::F32(v) => v.clone(),
+            CpuStorage::BF16(v) => conv(v),
+            CpuStorage::F16(v) => conv(v),
+            CpuStorage::F8E4M3(v) => conv(v),
+        }
+    }
+
+    fn from_f32_slice(v: &[f32], dtype: DType) -> CpuStorage {
+        fn conv<T: WithDType>(v: &[f32]) -> CpuStorage {
+            T::into_storage(v.iter().map(|&x| T::from_f32(x)).collect())
+        }
+        match dtype {
+            DType::F32 => CpuStorage::F32(v.to_vec()),
+            DType::BF16 => conv::<bf16>(v),
+            DType::F16 => conv::<f16>(v),
+            DType::F8E4M3 => conv::<F8E4M3>(v),
+        }
+    }
+}
+
+/// Device memory. A backend adds a variant here; kernels match on it.
+#[derive(Clone, Debug)]
+pub enum Storage {
+    Cpu(CpuStorage),
+}
+
+impl Storage {
+    pub fn device(&self) -> Device {
+        match self {
+            Storage::Cpu(_) => Device::Cpu,
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    storage: Arc<Storage>,
+    shape: Shape,
+}
+
+fn no_backend(op: &'static str, device: Device) -> Error {
+    Error::Unsupported { op, device, reason: "this build has no backend for the device".into() }
+}
+
+impl Tensor {
+    /// Wraps host data; `data.len()` must equal the shape's element count.
+    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        Tensor::from_cpu_storage(T::into_storage(data), shape, device)
+    }
+
+    pub fn from_cpu_storage(storage: CpuStorage, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.elem_count() {
+            return Err(Error::DataLength { op: "Tensor::from_vec", len: storage.len(), shape });
+        }
+        match device {
+            Device::Cpu => Ok(Tensor { storage: Arc::new(Storage::Cpu(storage)), shape }),
+            d => Err(no_backend("Tensor::from_vec", *d)),
+        }
+    }
+
+    /// Converts f32 data to `dtype` (round to nearest even; fp8 saturates) and wraps it.
+    pub fn from_f32(data: &[f32], shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        Tensor::from_cpu_storage(CpuStorage::from_f32_slice(data, dtype), shape, device)
+    }
+
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+        let shape = shape.into();
+        Tensor::from_f32(&vec![0.0; shape.elem_count()], shape, dtype, device)
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+    pub fn elem_count(&self) -> usize {
+        self.shape.elem_count()
+    }
+    pub fn dtype(&self) -> DType {
+        self.storage.dtype()
+    }
+    pub fn device(&self) -> Device {
+        self.storage.device()
+    }
+    pub fn storage(&self) -> &Storage {
+        &self.storage
+    }
+    pub fn size_in_bytes(&self) -> usize {
+        self.elem_count() * self.dtype().size_in_bytes()
+    }
+
+    /// Same storage, new shape with the same element count.
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if shape.elem_count() != self.elem_count() {
+            return Err(Error::DataLength { op: "Tensor::reshape", len: self.elem_count(), shape });
+        }
+        Ok(Tensor { storage: self.storage.clone(), shape })
+    }
+
+    /// Host slice of element type `T`; `op`/`name` go into the error if the dtype or device differ.
+    pub fn cpu_slice<T: WithDType>(&self, op: &'static str, name: &str) -> Result<&[T]> {
+        let Storage::Cpu(s) = self.storage.as_ref();
+        T::slice_of(s).ok_or_else(|| Error::DTypeMismatch {
+            op,
+            tensor: name.to_string(),
+            expected: T::DTYPE.to_string(),
+            got: self.dtype(),
+        })
+    }
+
+    /// Host storage of any dtype.
+    pub fn cpu_storage(&self, op: &'static str, name: &str) -> Result<&CpuStorage> {
+        let _ = (op, name);
+        let Storage::Cpu(s) = self.storage.as_ref();
+        Ok(s)
+    }
+
+    /// All elements as f32 (a copy).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        Ok(self.cpu_storage("Tensor::to_f32_vec", "self")?.to_f32_vec())
+    }
+
+    /// A copy converted to `dtype` (through f32).
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let v = self.to_f32_vec()?;
+        Tensor::from_f32(&v, self.shape.clone(), dtype, &self.device())
+    }
+
+    /// Checks the dims, naming the op and tensor on failure.
+    pub fn expect_dims(&self, op: &'static str, name: &str, dims: &[usize]) -> Result<()> {
+        if self.dims() != dims {
+            return Err(Error::ShapeMismatch {
+                op,
+                tensor: name.to_string(),
+                expected: format!("{dims:?}"),
+                got: self.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks the rank, naming the op and tensor on failure; returns the dims.
+    pub fn expect_rank(&self, op: &'static str, name: &str, rank: usize, what: &str) -> Result<&[usize]> {
+        if self.shape.rank() != rank {
+            return Err(Error::ShapeMismatch {
+                op,
+                tensor: name.to_string(),
+                expected: format!("rank {rank} {what}"),
+                got: self.shape.clone(),
+            });
+        }
+        Ok(self.dims())
+    }
+
+    pub fn expect_dtype(&self, op: &'static str, name: &str, allowed: &[DType]) -> Result<DType> {
+        let d = self.dtype();
+        if !allowed.contains(&d) {
+            let expected = allowed.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(" or ");
+            return Err(Error::DTypeMismatch { op, tensor: name.to_string(), expected, got: d });
+        }
+        Ok(d)
+    }
+
+    pub fn expect_device(&self, op: &'static str, name: &str, device: Device) -> Result<()> {
+        if self.device() != device {
+            return Err(Error::DeviceMismatch { op, tensor: name.to_string(), expected: device, got: self.device() });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn from_vec_checks_length() {
+        let err = Tensor::from_vec(vec![1.0f32; 5], [2, 3], &Device::Cpu).unwrap_err();
+        assert!(err.to_string().contains("[2, 3]"), "{err}");
+    }
+
+    #[test]
+    fn dtype_checks_name_the_tensor() {
+        let t = Tensor::zeros([2, 2], DType::BF16, &Device::Cpu).unwrap();
+        let err = t.cpu_slice::<f32>("test_op", "w13").unwrap_err().to_string();
+        assert!(err.contains("test_op") && err.contains("w13") && err.contains("bf16"), "{err}");
+        let err = t.expect_dims("test_op", "w2", &[3, 2]).unwrap_err().to_string();
+        assert!(err.contains("w2") && err.contains("[3, 2]") && err.contains("[2, 2]"), "{err}");
+    }
+
+    #[test]
+    fn cuda_without_backend_is_an_error() {
+        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(0)).unwrap_err().to_string();
+        assert!(err.contains("cuda:0"), "{err}");
+    }
+
+    #[test]
+    fn casts_round_trip_exactly_representable_values() {
+        let v = vec![0.0f32, 1.0, -2.0, 0.5, 448.0];
+        let t = Tensor::from_vec(v.clone(), [5], &Device::Cpu).unwrap();
+        for d in DType::ALL {
+            assert_eq!(t.to_dtype(d).unwrap().to_f32_vec().unwrap(), v, "{d}");
+        }
+    }
+}
