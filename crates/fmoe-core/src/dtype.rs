@@ -18,14 +18,16 @@ pub enum DType {
     BF16,
     F16,
     F8E4M3,
+    /// Indices (expert ids, token ids).
+    U32,
 }
 
 impl DType {
-    pub const ALL: [DType; 4] = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3];
+    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::U32];
 
     pub fn size_in_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
             DType::F8E4M3 => 1,
         }
@@ -37,6 +39,7 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F16 => "f16",
             DType::F8E4M3 => "f8e4m3",
+            DType::U32 => "u32",
         }
     }
 
@@ -47,6 +50,7 @@ impl DType {
             DType::BF16 => 2f64.powi(-8),
             DType::F16 => 2f64.powi(-11),
             DType::F8E4M3 => 2f64.powi(-4),
+            DType::U32 => 0.0,
         }
     }
 }
@@ -65,6 +69,7 @@ impl FromStr for DType {
             "bf16" | "bfloat16" => Ok(DType::BF16),
             "f16" | "fp16" | "float16" => Ok(DType::F16),
             "f8e4m3" | "fp8" | "float8_e4m3fn" => Ok(DType::F8E4M3),
+            "u32" | "uint32" => Ok(DType::U32),
             _ => Err(format!("unknown dtype `{s}` (expected f32, bf16, f16 or f8e4m3)")),
         }
     }
@@ -106,6 +111,8 @@ macro_rules! with_dtype {
 }
 
 with_dtype!(f32, F32, |v| v, |v| v);
+// Indices convert through f32 only in casts and tests; kernels read them as u32.
+with_dtype!(u32, U32, |v: f32| v as u32, |v: u32| v as f32);
 with_dtype!(bf16, BF16, bf16::from_f32, bf16::to_f32);
 with_dtype!(f16, F16, f16::from_f32, f16::to_f32);
 // float8's `from_f32` is RNE with finite saturation (Inf -> ±448) and NaN -> NaN: the policy we want.

@@ -12,6 +12,7 @@ pub enum CpuStorage {
     BF16(Vec<bf16>),
     F16(Vec<f16>),
     F8E4M3(Vec<F8E4M3>),
+    U32(Vec<u32>),
 }
 
 impl CpuStorage {
@@ -21,6 +22,7 @@ impl CpuStorage {
             CpuStorage::BF16(_) => DType::BF16,
             CpuStorage::F16(_) => DType::F16,
             CpuStorage::F8E4M3(_) => DType::F8E4M3,
+            CpuStorage::U32(_) => DType::U32,
         }
     }
 
@@ -30,6 +32,7 @@ impl CpuStorage {
             CpuStorage::BF16(v) => v.len(),
             CpuStorage::F16(v) => v.len(),
             CpuStorage::F8E4M3(v) => v.len(),
+            CpuStorage::U32(v) => v.len(),
         }
     }
 
@@ -42,6 +45,7 @@ impl CpuStorage {
             CpuStorage::BF16(v) => conv(v),
             CpuStorage::F16(v) => conv(v),
             CpuStorage::F8E4M3(v) => conv(v),
+            CpuStorage::U32(v) => conv(v),
         }
     }
 
@@ -54,6 +58,7 @@ impl CpuStorage {
             DType::BF16 => conv::<bf16>(v),
             DType::F16 => conv::<f16>(v),
             DType::F8E4M3 => conv::<F8E4M3>(v),
+            DType::U32 => conv::<u32>(v),
         }
     }
 }
@@ -249,7 +254,7 @@ mod tests {
     fn casts_round_trip_exactly_representable_values() {
         let v = vec![0.0f32, 1.0, -2.0, 0.5, 448.0];
         let t = Tensor::from_vec(v.clone(), [5], &Device::Cpu).unwrap();
-        for d in DType::ALL {
+        for d in DType::ALL.into_iter().filter(|d| *d != DType::U32) {
             assert_eq!(t.to_dtype(d).unwrap().to_f32_vec().unwrap(), v, "{d}");
         }
     }

@@ -1,14 +1,21 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! fmoe-kernels: the fused-MoE kernel library. It knows tensors, not models.
+//!
+//! Families (one folder each; `mod.rs` validates and dispatches on the device, `cpu.rs` is the
+//! mandatory CPU twin, a `cuda.rs` joins it when the backend exists):
+//! - [`routing`]: router logits → top-k expert ids and weights (Mixtral softmax, DeepSeek-V3
+//!   grouped sigmoid "noaux_tc").
+//! - [`moe_align`]: routes sorted by expert and padded to the GEMM's M tile.
+//! - [`quant_fp8`]: e4m3 quantization: dynamic per-tensor, 1×128 per-token-group, 128×128 blocks.
+//! - [`moe_gemm`]: the grouped expert GEMMs: GEMM1 over w13 with SiLU⊙mul fused, GEMM2 over w2 with
+//!   the routing weight and top-k reduction fused (`fused` family), and the per-expert loop
+//!   baseline (`portable` family).
+//!
+//! The MoE layer (fmoe-moe) composes them: prepare (quantize, align) → experts → finalize.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+mod error;
+pub mod moe_align;
+pub mod moe_gemm;
+pub mod quant_fp8;
+pub mod routing;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use error::{Error, Result};

@@ -1,0 +1,25 @@
+use fmoe_core::Shape;
+
+/// Errors of the kernel library. Each names the kernel (`op`) and what was wrong with its input.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Core(#[from] fmoe_core::Error),
+
+    #[error("{op}: top-k {k} is not in 1..={experts} (the number of experts)")]
+    TopK { op: &'static str, k: usize, experts: usize },
+
+    #[error("{op}: scale tensor `{tensor}` has shape {got}, expected {expected}")]
+    ScaleShape { op: &'static str, tensor: String, expected: String, got: Shape },
+
+    #[error("{op}: expert id {id} at route {route} is out of range for {experts} experts")]
+    ExpertId { op: &'static str, id: u32, route: usize, experts: usize },
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::Core(fmoe_core::Error::invalid(op, msg))
+    }
+}
