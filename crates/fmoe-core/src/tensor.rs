@@ -150,6 +150,61 @@ impl Tensor {
         Ok(Tensor { storage: self.storage.clone(), shape })
     }
 
+    /// A copy of entry `i` along the first dimension (e.g. one expert of a stacked weight).
+    pub fn index0(&self, i: usize) -> Result<Tensor> {
+        const OP: &str = "Tensor::index0";
+        let dims = self.dims();
+        let Some((&n, rest)) = dims.split_first() else {
+            return Err(Error::invalid(OP, "cannot index a rank-0 tensor"));
+        };
+        if i >= n {
+            return Err(Error::invalid(OP, format!("index {i} out of range for dimension 0 of size {n}")));
+        }
+        let per: usize = rest.iter().product();
+        fn part<T: WithDType>(v: &[T], r: std::ops::Range<usize>) -> CpuStorage {
+            T::into_storage(v[r].to_vec())
+        }
+        let r = i * per..(i + 1) * per;
+        let Storage::Cpu(s) = self.storage.as_ref();
+        let out = match s {
+            CpuStorage::F32(v) => part(v, r),
+            CpuStorage::BF16(v) => part(v, r),
+            CpuStorage::F16(v) => part(v, r),
+            CpuStorage::F8E4M3(v) => part(v, r),
+            CpuStorage::U32(v) => part(v, r),
+        };
+        Tensor::from_cpu_storage(out, rest, &self.device())
+    }
+
+    /// Stacks equally shaped tensors of one dtype along a new first dimension.
+    pub fn stack0(parts: &[Tensor]) -> Result<Tensor> {
+        const OP: &str = "Tensor::stack0";
+        let Some(first) = parts.first() else {
+            return Err(Error::invalid(OP, "nothing to stack"));
+        };
+        for (i, p) in parts.iter().enumerate() {
+            p.expect_dims(OP, &format!("parts[{i}]"), first.dims())?;
+            p.expect_dtype(OP, &format!("parts[{i}]"), &[first.dtype()])?;
+        }
+        fn cat<T: WithDType>(parts: &[Tensor]) -> Result<CpuStorage> {
+            let mut out = Vec::new();
+            for p in parts {
+                out.extend_from_slice(p.cpu_slice::<T>(OP, "part")?);
+            }
+            Ok(T::into_storage(out))
+        }
+        let storage = match first.dtype() {
+            DType::F32 => cat::<f32>(parts)?,
+            DType::BF16 => cat::<bf16>(parts)?,
+            DType::F16 => cat::<f16>(parts)?,
+            DType::F8E4M3 => cat::<F8E4M3>(parts)?,
+            DType::U32 => cat::<u32>(parts)?,
+        };
+        let mut dims = vec![parts.len()];
+        dims.extend_from_slice(first.dims());
+        Tensor::from_cpu_storage(storage, dims, &first.device())
+    }
+
     /// Host slice of element type `T`; `op`/`name` go into the error if the dtype or device differ.
     pub fn cpu_slice<T: WithDType>(&self, op: &'static str, name: &str) -> Result<&[T]> {
         let Storage::Cpu(s) = self.storage.as_ref();
@@ -242,6 +297,17 @@ mod tests {
         assert!(err.contains("test_op") && err.contains("w13") && err.contains("bf16"), "{err}");
         let err = t.expect_dims("test_op", "w2", &[3, 2]).unwrap_err().to_string();
         assert!(err.contains("w2") && err.contains("[3, 2]") && err.contains("[2, 2]"), "{err}");
+    }
+
+    #[test]
+    fn index0_and_stack0_invert_each_other() {
+        let t = Tensor::from_vec((0..12u32).collect::<Vec<_>>(), [3, 2, 2], &Device::Cpu).unwrap();
+        let parts: Vec<Tensor> = (0..3).map(|i| t.index0(i).unwrap()).collect();
+        assert_eq!(parts[1].cpu_slice::<u32>("t", "p").unwrap(), &[4, 5, 6, 7]);
+        let back = Tensor::stack0(&parts).unwrap();
+        assert_eq!(back.dims(), &[3, 2, 2]);
+        assert_eq!(back.cpu_slice::<u32>("t", "b").unwrap(), t.cpu_slice::<u32>("t", "t").unwrap());
+        assert!(t.index0(3).unwrap_err().to_string().contains("out of range"));
     }
 
     #[test]

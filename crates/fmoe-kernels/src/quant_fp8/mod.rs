@@ -1,1 +1,312 @@
-//! (in progress)
+//! `quant_fp8`: fp8 quantization of activations and weights.
+//!
+//! # Format
+//! Codes are OCP fp8 e4m3fn ([`F8E4M3`]): 1 sign, 4 exponent (bias 7) and 3 mantissa bits; the
+//! largest finite magnitude is 448 (`S.1111.110`), `S.1111.111` is NaN and there is no infinity.
+//! Normals start at 2^-6, subnormals are multiples of 2^-9. f32 -> e4m3 rounds to nearest, ties to
+//! even, and saturates: anything beyond ±448 (±Inf included) becomes ±448.
+//!
+//! # Scales
+//! A scale `s` is the dequantization multiplier (vLLM / DeepSeek-V3 convention): `x ≈ q · s` with
+//! `q = sat_rne(x / s)`. The quotient is computed by division, not by multiplying with `1 / s`, so
+//! only one f32 rounding precedes the fp8 rounding. A dynamic scale is
+//! `max(amax, AMAX_FLOOR) / 448` ([`scale_from_amax`]), so the largest element maps to ±448 and an
+//! all-zero tensor, group or block gets a tiny positive scale, codes 0 and an exact-zero
+//! dequantization (no division by zero).
+//!
+//! Schemes:
+//! - per tensor ([`quantize_per_tensor`], [`quantize_with_scale`]): one scale, shape `[1]`;
+//! - per token group ([`quantize_per_token_group`]): `x [.., K]` gets `scales [.., ceil(K / g)]`,
+//!   1 × g groups along the last dim (g = [`FP8_GROUP`] = 128 for activations);
+//! - per block ([`quantize_block`]): `w [.., R, C]` gets `scale_inv [.., ceil(R / b0), ceil(C / b1)]`
+//!   ([`FP8_BLOCK`] = 128 × 128 as DeepSeek-V3 stores `weight_scale_inv`).
+//!
+//! Ragged edge groups and blocks use the amax of the elements they actually cover.
+//!
+//! # Special values
+//! - Dynamic quantization (scale from the data): a NaN or ±Inf anywhere is an error,
+//!   [`fmoe_core::Error::NonFinite`] with the first offending flat index, because a non-finite amax
+//!   makes every scale it touches meaningless.
+//! - Quantization with a given scale: NaN -> NaN code (sign kept), ±Inf and |x / s| > 448 -> ±448.
+//!   The scale itself must be finite and > 0.
+//! - Dequantization multiplies and does not inspect scale values; NaN codes give NaN.
+//!
+//! Inputs may be f32, bf16 or f16 (converted exactly to f32 first). Codes come back as
+//! [`DType::F8E4M3`] tensors, scales and dequantized values as [`DType::F32`].
+
+pub mod cpu;
+
+use std::borrow::Cow;
+
+use fmoe_core::{CpuStorage, DType, F8E4M3, FP8_E4M3_MAX, Shape, Storage, Tensor, WithDType};
+
+use crate::{Error, Result};
+
+/// DeepSeek-V3 weight block (rows, cols).
+pub const FP8_BLOCK: [usize; 2] = [128, 128];
+/// Activation token-group width.
+pub const FP8_GROUP: usize = 128;
+/// Smallest amax a dynamic scale is computed from.
+pub const AMAX_FLOOR: f32 = 1e-10;
+
+/// Dynamic scale for data whose largest magnitude is `amax`: `max(amax, AMAX_FLOOR) / 448`.
+#[inline]
+pub fn scale_from_amax(amax: f32) -> f32 {
+    amax.max(AMAX_FLOOR) / FP8_E4M3_MAX
+}
+
+/// Dynamic per-tensor: one scale for the whole tensor. Returns (q same shape, scale f32 `[1]`).
+pub fn quantize_per_tensor(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "quant_fp8::quantize_per_tensor";
+    match x.storage() {
+        Storage::Cpu(s) => {
+            let xs = input_f32(OP, "x", s)?;
+            let a = cpu::amax(&xs).map_err(|(i, v)| non_finite(OP, "x", i, v))?;
+            let scale = scale_from_amax(a);
+            let mut q = fp8_buffer(xs.len());
+            cpu::quantize_slice(&xs, scale, &mut q);
+            Ok((
+                output(q, x.shape().clone(), x)?,
+                output(vec![scale], [1], x)?,
+            ))
+        }
+    }
+}
+
+/// Static: quantizes with a given scale (NaN -> NaN, ±Inf and overflow -> ±448).
+pub fn quantize_with_scale(x: &Tensor, scale: f32) -> Result<Tensor> {
+    const OP: &str = "quant_fp8::quantize_with_scale";
+    check_scale(OP, scale)?;
+    match x.storage() {
+        Storage::Cpu(s) => {
+            let xs = input_f32(OP, "x", s)?;
+            let mut q = fp8_buffer(xs.len());
+            cpu::quantize_slice(&xs, scale, &mut q);
+            output(q, x.shape().clone(), x)
+        }
+    }
+}
+
+/// `q · scale` as f32, same shape as `q`.
+pub fn dequantize_per_tensor(q: &Tensor, scale: f32) -> Result<Tensor> {
+    const OP: &str = "quant_fp8::dequantize_per_tensor";
+    match q.storage() {
+        Storage::Cpu(_) => {
+            let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
+            let mut out = vec![0.0f32; qs.len()];
+            cpu::dequantize_slice(qs, scale, &mut out);
+            output(out, q.shape().clone(), q)
+        }
+    }
+}
+
+/// Dynamic per-token-group along the last dim: `x [.., K]` -> `q [.., K]`,
+/// `scales [.., ceil(K / group)]`. A ragged last group uses the amax of its own columns.
+pub fn quantize_per_token_group(x: &Tensor, group: usize) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "quant_fp8::quantize_per_token_group";
+    check_group(OP, group)?;
+    let scale_dims = group_scale_dims(OP, "x", x.shape(), group)?;
+    let k = last_dim(x.shape());
+    match x.storage() {
+        Storage::Cpu(s) => {
+            let xs = input_f32(OP, "x", s)?;
+            let mut q = fp8_buffer(xs.len());
+            let mut scales = vec![0.0f32; scale_dims.iter().product()];
+            cpu::quantize_token_groups(&xs, k, group, &mut q, &mut scales)
+                .map_err(|(i, v)| non_finite(OP, "x", i, v))?;
+            Ok((
+                output(q, x.shape().clone(), x)?,
+                output(scales, scale_dims, x)?,
+            ))
+        }
+    }
+}
+
+/// Inverse of [`quantize_per_token_group`]; `scales` must be f32 `[.., ceil(K / group)]`.
+pub fn dequantize_per_token_group(q: &Tensor, scales: &Tensor, group: usize) -> Result<Tensor> {
+    const OP: &str = "quant_fp8::dequantize_per_token_group";
+    check_group(OP, group)?;
+    let scale_dims = group_scale_dims(OP, "q", q.shape(), group)?;
+    check_scales(OP, "scales", q, scales, &scale_dims)?;
+    match q.storage() {
+        Storage::Cpu(_) => {
+            let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
+            let ss = scales.cpu_slice::<f32>(OP, "scales")?;
+            let mut out = vec![0.0f32; qs.len()];
+            cpu::dequantize_token_groups(qs, ss, last_dim(q.shape()), group, &mut out);
+            output(out, q.shape().clone(), q)
+        }
+    }
+}
+
+/// Dynamic block quantization over the last two dims: `w [.., R, C]` -> `q [.., R, C]`,
+/// `scale_inv [.., ceil(R / b0), ceil(C / b1)]`. Ragged edge blocks use the amax of their elements.
+pub fn quantize_block(w: &Tensor, block: [usize; 2]) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "quant_fp8::quantize_block";
+    check_block(OP, block)?;
+    let (rows, cols, scale_dims) = block_scale_dims(OP, "w", w.shape(), block)?;
+    match w.storage() {
+        Storage::Cpu(s) => {
+            let ws = input_f32(OP, "w", s)?;
+            let mut q = fp8_buffer(ws.len());
+            let mut scale_inv = vec![0.0f32; scale_dims.iter().product()];
+            cpu::quantize_blocks(&ws, rows, cols, block, &mut q, &mut scale_inv)
+                .map_err(|(i, v)| non_finite(OP, "w", i, v))?;
+            Ok((
+                output(q, w.shape().clone(), w)?,
+                output(scale_inv, scale_dims, w)?,
+            ))
+        }
+    }
+}
+
+/// Inverse of [`quantize_block`]; `scale_inv` must be f32 `[.., ceil(R / b0), ceil(C / b1)]`.
+pub fn dequantize_block(q: &Tensor, scale_inv: &Tensor, block: [usize; 2]) -> Result<Tensor> {
+    const OP: &str = "quant_fp8::dequantize_block";
+    check_block(OP, block)?;
+    let (rows, cols, scale_dims) = block_scale_dims(OP, "q", q.shape(), block)?;
+    check_scales(OP, "scale_inv", q, scale_inv, &scale_dims)?;
+    match q.storage() {
+        Storage::Cpu(_) => {
+            let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
+            let ss = scale_inv.cpu_slice::<f32>(OP, "scale_inv")?;
+            let mut out = vec![0.0f32; qs.len()];
+            cpu::dequantize_blocks(qs, ss, rows, cols, block, &mut out);
+            output(out, q.shape().clone(), q)
+        }
+    }
+}
+
+/// The input as f32, borrowed when it already is f32.
+fn input_f32<'a>(op: &'static str, name: &str, s: &'a CpuStorage) -> Result<Cow<'a, [f32]>> {
+    fn widen<T: WithDType>(v: &[T]) -> Cow<'_, [f32]> {
+        Cow::Owned(v.iter().map(|x| x.to_f32()).collect())
+    }
+    match s {
+        CpuStorage::F32(v) => Ok(Cow::Borrowed(v)),
+        CpuStorage::BF16(v) => Ok(widen(v)),
+        CpuStorage::F16(v) => Ok(widen(v)),
+        other => Err(fmoe_core::Error::DTypeMismatch {
+            op,
+            tensor: name.to_string(),
+            expected: "f32 or bf16 or f16".to_string(),
+            got: other.dtype(),
+        }
+        .into()),
+    }
+}
+
+fn fp8_buffer(len: usize) -> Vec<F8E4M3> {
+    vec![F8E4M3::from_bits(0); len]
+}
+
+/// Wraps a result on the device of `like`.
+fn output<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, like: &Tensor) -> Result<Tensor> {
+    Ok(Tensor::from_vec(data, shape, &like.device())?)
+}
+
+fn non_finite(op: &'static str, tensor: &str, index: usize, value: f32) -> Error {
+    fmoe_core::Error::NonFinite {
+        op,
+        tensor: tensor.to_string(),
+        index,
+        value,
+    }
+    .into()
+}
+
+fn check_scale(op: &'static str, scale: f32) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            op,
+            format!("scale must be finite and > 0, got {scale}"),
+        ))
+    }
+}
+
+fn check_group(op: &'static str, group: usize) -> Result<()> {
+    if group == 0 {
+        return Err(Error::invalid(op, "group size must be > 0"));
+    }
+    Ok(())
+}
+
+fn check_block(op: &'static str, block: [usize; 2]) -> Result<()> {
+    if block[0] == 0 || block[1] == 0 {
+        return Err(Error::invalid(
+            op,
+            format!("block sizes must be > 0, got {block:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn last_dim(shape: &Shape) -> usize {
+    shape.dims().last().copied().unwrap_or(0)
+}
+
+/// `[.., ceil(K / group)]` for a tensor `[.., K]` of rank >= 1.
+fn group_scale_dims(
+    op: &'static str,
+    name: &str,
+    shape: &Shape,
+    group: usize,
+) -> Result<Vec<usize>> {
+    let Some((&k, lead)) = shape.dims().split_last() else {
+        return Err(rank_error(op, name, shape, "rank >= 1 [.., K]"));
+    };
+    let mut dims = lead.to_vec();
+    dims.push(k.div_ceil(group));
+    Ok(dims)
+}
+
+/// (R, C, `[.., ceil(R / b0), ceil(C / b1)]`) for a tensor `[.., R, C]` of rank >= 2.
+fn block_scale_dims(
+    op: &'static str,
+    name: &str,
+    shape: &Shape,
+    block: [usize; 2],
+) -> Result<(usize, usize, Vec<usize>)> {
+    let dims = shape.dims();
+    let [lead @ .., rows, cols] = dims else {
+        return Err(rank_error(op, name, shape, "rank >= 2 [.., R, C]"));
+    };
+    let (br, bc) = cpu::block_grid(*rows, *cols, block);
+    let mut out = lead.to_vec();
+    out.extend([br, bc]);
+    Ok((*rows, *cols, out))
+}
+
+fn rank_error(op: &'static str, name: &str, shape: &Shape, expected: &str) -> Error {
+    fmoe_core::Error::ShapeMismatch {
+        op,
+        tensor: name.to_string(),
+        expected: expected.to_string(),
+        got: shape.clone(),
+    }
+    .into()
+}
+
+/// `scales` must be f32 with exactly `expected` dims, on the device of `q`.
+fn check_scales(
+    op: &'static str,
+    name: &str,
+    q: &Tensor,
+    scales: &Tensor,
+    expected: &[usize],
+) -> Result<()> {
+    q.expect_dtype(op, "q", &[DType::F8E4M3])?;
+    scales.expect_dtype(op, name, &[DType::F32])?;
+    scales.expect_device(op, name, q.device())?;
+    if scales.dims() != expected {
+        return Err(Error::ScaleShape {
+            op,
+            tensor: name.to_string(),
+            expected: format!("{expected:?}"),
+            got: scales.shape().clone(),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,162 @@
+//! GEMM operands as data: what is stored, and which scales turn it back into real values.
+
+use fmoe_core::{DType, Storage, Tensor};
+
+use crate::quant_fp8;
+use crate::{Error, Result};
+
+/// Width of activation scale groups and weight scale blocks (DeepSeek-V3's 1×128 and 128×128).
+pub const QBLOCK: usize = 128;
+
+/// How activations are quantized before a GEMM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActQuant {
+    /// Kept in their dtype (bf16/f16/f32).
+    None,
+    /// e4m3 with one dynamic scale for the whole tensor.
+    Fp8PerTensor,
+    /// e4m3 with one dynamic scale per row and 128 columns.
+    Fp8Group,
+}
+
+/// The A operand of a grouped GEMM: one row per token (GEMM1) or per route (GEMM2).
+#[derive(Clone, Debug)]
+pub enum ActOperand {
+    Plain(Tensor),
+    Fp8PerTensor { q: Tensor, scale: f32 },
+    Fp8Group { q: Tensor, scales: Tensor },
+}
+
+impl ActOperand {
+    /// Quantizes `x` [rows, K] as `scheme` says. Both kernel families and the references use this.
+    pub fn quantize(x: &Tensor, scheme: ActQuant) -> Result<ActOperand> {
+        Ok(match scheme {
+            ActQuant::None => ActOperand::Plain(x.clone()),
+            ActQuant::Fp8PerTensor => {
+                let (q, scale) = quant_fp8::quantize_per_tensor(x)?;
+                let scale = scale.to_f32_vec()?.first().copied().unwrap_or(1.0);
+                ActOperand::Fp8PerTensor { q, scale }
+            }
+            ActQuant::Fp8Group => {
+                let (q, scales) = quant_fp8::quantize_per_token_group(x, QBLOCK)?;
+                ActOperand::Fp8Group { q, scales }
+            }
+        })
+    }
+
+    pub fn data(&self) -> &Tensor {
+        match self {
+            ActOperand::Plain(t) | ActOperand::Fp8PerTensor { q: t, .. } | ActOperand::Fp8Group { q: t, .. } => t,
+        }
+    }
+
+    pub(crate) fn storage(&self) -> &Storage {
+        self.data().storage()
+    }
+
+    /// Validates shape [rows, cols] and dtypes; returns rows.
+    pub(crate) fn check(&self, op: &'static str, name: &str, cols: usize) -> Result<usize> {
+        let t = self.data();
+        let dims = t.expect_rank(op, name, 2, "[rows, K]")?;
+        if dims[1] != cols {
+            return Err(fmoe_core::Error::ShapeMismatch {
+                op,
+                tensor: name.to_string(),
+                expected: format!("[rows, {cols}]"),
+                got: t.shape().clone(),
+            }
+            .into());
+        }
+        let rows = dims[0];
+        match self {
+            ActOperand::Plain(t) => {
+                t.expect_dtype(op, name, &[DType::F32, DType::BF16, DType::F16])?;
+            }
+            ActOperand::Fp8PerTensor { q, scale } => {
+                q.expect_dtype(op, name, &[DType::F8E4M3])?;
+                if !(scale.is_finite() && *scale > 0.0) {
+                    return Err(Error::invalid(op, format!("activation scale of `{name}` is {scale}; it must be finite and positive")));
+                }
+            }
+            ActOperand::Fp8Group { q, scales } => {
+                q.expect_dtype(op, name, &[DType::F8E4M3])?;
+                scales.expect_dtype(op, &format!("{name}_scales"), &[DType::F32])?;
+                let want = [rows, cols.div_ceil(QBLOCK)];
+                if scales.dims() != want {
+                    return Err(Error::ScaleShape {
+                        op,
+                        tensor: format!("{name}_scales"),
+                        expected: format!("{want:?}"),
+                        got: scales.shape().clone(),
+                    });
+                }
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// Stacked expert weights [E, rows, K] and their scales.
+#[derive(Clone, Debug)]
+pub enum WeightOperand {
+    /// bf16/f16/f32 values.
+    Plain(Tensor),
+    /// e4m3 codes with one scale per expert (`scales` f32 [E]).
+    Fp8PerTensor { q: Tensor, scales: Tensor },
+    /// e4m3 codes with one scale per 128×128 block (`scale_inv` f32 [E, ceil(rows/128), ceil(K/128)]).
+    Fp8Block { q: Tensor, scale_inv: Tensor },
+}
+
+impl WeightOperand {
+    pub fn data(&self) -> &Tensor {
+        match self {
+            WeightOperand::Plain(t)
+            | WeightOperand::Fp8PerTensor { q: t, .. }
+            | WeightOperand::Fp8Block { q: t, .. } => t,
+        }
+    }
+
+    /// Bytes a kernel reads for one expert (weights and their scales).
+    pub fn expert_bytes(&self) -> usize {
+        let per = |t: &Tensor| t.size_in_bytes() / t.dims().first().copied().unwrap_or(1).max(1);
+        match self {
+            WeightOperand::Plain(t) => per(t),
+            WeightOperand::Fp8PerTensor { q, .. } => per(q) + 4,
+            WeightOperand::Fp8Block { q, scale_inv } => per(q) + per(scale_inv),
+        }
+    }
+
+    /// Validates shapes and dtypes; returns (E, rows, K).
+    pub fn dims(&self, op: &'static str, name: &str) -> Result<(usize, usize, usize)> {
+        let t = self.data();
+        let d = t.expect_rank(op, name, 3, "[experts, rows, K]")?;
+        let (e, rows, k) = (d[0], d[1], d[2]);
+        let scale_err = |tensor: String, want: Vec<usize>, got: &Tensor| Error::ScaleShape {
+            op,
+            tensor,
+            expected: format!("{want:?}"),
+            got: got.shape().clone(),
+        };
+        match self {
+            WeightOperand::Plain(t) => {
+                t.expect_dtype(op, name, &[DType::F32, DType::BF16, DType::F16])?;
+            }
+            WeightOperand::Fp8PerTensor { q, scales } => {
+                q.expect_dtype(op, name, &[DType::F8E4M3])?;
+                scales.expect_dtype(op, &format!("{name}_scale"), &[DType::F32])?;
+                if scales.dims() != [e] {
+                    return Err(scale_err(format!("{name}_scale"), vec![e], scales));
+                }
+            }
+            WeightOperand::Fp8Block { q, scale_inv } => {
+                q.expect_dtype(op, name, &[DType::F8E4M3])?;
+                scale_inv.expect_dtype(op, &format!("{name}_scale_inv"), &[DType::F32])?;
+                let want = vec![e, rows.div_ceil(QBLOCK), k.div_ceil(QBLOCK)];
+                if scale_inv.dims() != want.as_slice() {
+                    return Err(scale_err(format!("{name}_scale_inv"), want, scale_inv));
+                }
+            }
+        }
+        Ok((e, rows, k))
+    }
+}

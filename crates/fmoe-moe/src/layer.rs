@@ -1,0 +1,113 @@
+use fmoe_core::env::FusedSwitches;
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::routing::TopK;
+
+use crate::dispatch::{self, KernelChoice};
+use crate::method::{self, CheckpointExperts, MoeMethod};
+use crate::{Error, MoeConfig, QuantScheme, Result, router};
+
+const OP: &str = "FusedMoe::forward";
+
+/// DeepSeek-V3's always-on expert: a dense SwiGLU MLP of width `shared_intermediate`, stored like
+/// one extra expert (w13 [1, 2Ns, K], w2 [1, K, Ns]) and served by the same method.
+pub struct SharedExpert {
+    method: Box<dyn MoeMethod>,
+}
+
+/// One MoE layer: router → experts (→ + shared expert).
+pub struct FusedMoe {
+    config: MoeConfig,
+    scheme: QuantScheme,
+    device: Device,
+    choice: KernelChoice,
+    method: Box<dyn MoeMethod>,
+    shared: Option<SharedExpert>,
+    /// DeepSeek-V3 `e_score_correction_bias` [E], f32.
+    bias: Option<Tensor>,
+}
+
+impl FusedMoe {
+    /// Creates the method, resolves the kernel from `switches`, and processes the weights for it.
+    pub fn new(
+        config: MoeConfig,
+        scheme: QuantScheme,
+        experts: CheckpointExperts,
+        shared: Option<CheckpointExperts>,
+        bias: Option<Tensor>,
+        switches: &FusedSwitches,
+        device: Device,
+    ) -> Result<FusedMoe> {
+        config.validate()?;
+        let choice = dispatch::resolve(switches, scheme, device)?;
+        dispatch::log_choice_once(scheme, device, &choice);
+        let dims = (config.num_experts, config.hidden, config.intermediate);
+        let mut method = method::create(scheme, experts, dims)?;
+        method.process_weights_after_loading(choice.family)?;
+        let shared = match (shared, config.shared_intermediate) {
+            (Some(ckpt), Some(ns)) => {
+                let mut m = method::create(scheme, ckpt, (1, config.hidden, ns))?;
+                m.process_weights_after_loading(choice.family)?;
+                Some(SharedExpert { method: m })
+            }
+            (None, None) => None,
+            (Some(_), None) => return Err(Error::Config("shared expert weights given but shared_intermediate is unset".into())),
+            (None, Some(_)) => return Err(Error::Config("shared_intermediate is set but no shared expert weights were given".into())),
+        };
+        if let Some(b) = &bias {
+            b.expect_dims("FusedMoe::new", "e_score_correction_bias", &[config.num_experts])?;
+            b.expect_dtype("FusedMoe::new", "e_score_correction_bias", &[DType::F32])?;
+        }
+        Ok(FusedMoe { config, scheme, device, choice, method, shared, bias })
+    }
+
+    pub fn config(&self) -> &MoeConfig {
+        &self.config
+    }
+    pub fn scheme(&self) -> QuantScheme {
+        self.scheme
+    }
+    pub fn device(&self) -> Device {
+        self.device
+    }
+    pub fn kernel(&self) -> &KernelChoice {
+        &self.choice
+    }
+    pub fn method(&self) -> &dyn MoeMethod {
+        self.method.as_ref()
+    }
+
+    /// Routes `router_logits` [M, E] and runs the layer on `x` [M, K].
+    pub fn forward(&self, x: &Tensor, router_logits: &Tensor) -> Result<Tensor> {
+        self.check_input(x)?;
+        router_logits.expect_dims(OP, "router_logits", &[x.dims()[0], self.config.num_experts])?;
+        let topk = router::route(&self.config, router_logits, self.bias.as_ref())?;
+        self.forward_routed(x, &topk)
+    }
+
+    /// Runs the layer with a routing decided elsewhere.
+    pub fn forward_routed(&self, x: &Tensor, topk: &TopK) -> Result<Tensor> {
+        self.check_input(x)?;
+        let y = self.method.apply(x, topk, self.choice.family)?;
+        let Some(shared) = &self.shared else { return Ok(y) };
+        let m = x.dims()[0];
+        let all = TopK {
+            ids: Tensor::from_vec(vec![0u32; m], [m, 1], &self.device)?,
+            weights: Tensor::from_vec(vec![1.0f32; m], [m, 1], &self.device)?,
+        };
+        let s = shared.method.apply(x, &all, self.choice.family)?;
+        let sum: Vec<f32> = y.to_f32_vec()?.iter().zip(s.to_f32_vec()?).map(|(a, b)| a + b).collect();
+        Ok(Tensor::from_f32(&sum, y.shape().clone(), x.dtype(), &self.device)?)
+    }
+
+    fn check_input(&self, x: &Tensor) -> Result<()> {
+        x.expect_rank(OP, "hidden_states", 2, "[tokens, hidden]")?;
+        x.expect_dims(OP, "hidden_states", &[x.dims()[0], self.config.hidden])?;
+        x.expect_dtype(OP, "hidden_states", &[DType::BF16, DType::F16, DType::F32])?;
+        x.expect_device(OP, "hidden_states", self.device)?;
+        // A NaN or Inf would poison every expert it reaches; refuse it here with its position.
+        if let Some((index, value)) = x.to_f32_vec()?.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(fmoe_core::Error::NonFinite { op: OP, tensor: "hidden_states".into(), index, value: *value }.into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,94 @@
+//! MoE methods: one per weight format. Lifecycle (as in vLLM): create from checkpoint tensors →
+//! `process_weights_after_loading` once the kernel is chosen → `apply` per batch.
+
+mod fp8;
+mod unquantized;
+
+pub use fp8::Fp8MoeMethod;
+pub use unquantized::UnquantizedMoeMethod;
+
+use fmoe_core::Tensor;
+use fmoe_kernels::routing::TopK;
+
+use crate::stages::ExpertOperands;
+use crate::{Error, KernelFamily, QuantScheme, Result};
+
+/// Expert tensors as a checkpoint (or the dummy loader) provides them.
+#[derive(Clone, Debug)]
+pub enum CheckpointExperts {
+    /// bf16/f16/f32: w13 [E, 2N, K] (gate rows, then up rows), w2 [E, K, N].
+    Dense { w13: Tensor, w2: Tensor },
+    /// e4m3 with per-tensor scales: `w13_scale` is [E] or [E, 2] (separate w1 and w3 scales, as
+    /// Mixtral fp8 checkpoints store them); `w2_scale` is [E].
+    Fp8PerTensor { w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor },
+    /// e4m3 in 128×128 blocks with DeepSeek-V3's `weight_scale_inv` layout
+    /// [E, ceil(rows/128), ceil(cols/128)].
+    Fp8Block { w13: Tensor, w13_scale_inv: Tensor, w2: Tensor, w2_scale_inv: Tensor },
+}
+
+impl CheckpointExperts {
+    fn kind(&self) -> &'static str {
+        match self {
+            CheckpointExperts::Dense { .. } => "dense",
+            CheckpointExperts::Fp8PerTensor { .. } => "fp8 per-tensor",
+            CheckpointExperts::Fp8Block { .. } => "fp8 block",
+        }
+    }
+
+    fn weights(&self) -> (&Tensor, &Tensor) {
+        match self {
+            CheckpointExperts::Dense { w13, w2 }
+            | CheckpointExperts::Fp8PerTensor { w13, w2, .. }
+            | CheckpointExperts::Fp8Block { w13, w2, .. } => (w13, w2),
+        }
+    }
+
+    /// Checks w13 [E, 2N, K] and w2 [E, K, N] against the expected sizes.
+    pub fn check_dims(&self, method: &'static str, e: usize, k: usize, n: usize) -> Result<()> {
+        let (w13, w2) = self.weights();
+        for (name, t, want) in [("w13", w13, [e, 2 * n, k]), ("w2", w2, [e, k, n])] {
+            if t.dims() != want {
+                return Err(Error::Weights {
+                    method,
+                    msg: format!("expert weight `{name}` has shape {}, expected {want:?}", t.shape()),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A MoE quantization method.
+pub trait MoeMethod: Send + Sync {
+    fn scheme(&self) -> QuantScheme;
+
+    /// Converts the checkpoint tensors into the operands `kernel` reads. Called once, after
+    /// loading and kernel selection.
+    fn process_weights_after_loading(&mut self, kernel: KernelFamily) -> Result<()>;
+
+    /// The processed operands (an error before processing).
+    fn operands(&self) -> Result<&ExpertOperands>;
+
+    /// Runs the experts for routed tokens `x` [M, K].
+    fn apply(&self, x: &Tensor, topk: &TopK, kernel: KernelFamily) -> Result<Tensor> {
+        crate::stages::run_experts(x, topk, self.operands()?, kernel)
+    }
+}
+
+/// Builds the method for `scheme` over checkpoint experts of shape (E, K, N).
+pub fn create(
+    scheme: QuantScheme,
+    experts: CheckpointExperts,
+    dims: (usize, usize, usize),
+) -> Result<Box<dyn MoeMethod>> {
+    Ok(match scheme {
+        QuantScheme::Unquantized => Box::new(UnquantizedMoeMethod::create_weights(experts, dims)?),
+        QuantScheme::Fp8PerTensor | QuantScheme::Fp8Block => {
+            Box::new(Fp8MoeMethod::create_weights(scheme, experts, dims)?)
+        }
+    })
+}
+
+fn not_processed(method: &'static str) -> Error {
+    Error::Weights { method, msg: "weights used before process_weights_after_loading".into() }
+}
