@@ -1,3 +1,49 @@
-fn main() {
-    println!("Hello, world!");
+//! `fmoe`: a thin front over the fmoe crates. Parses flags, installs logging, maps errors to a
+//! one-line message and a non-zero exit code.
+
+mod cmd;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// fmoe: fused Mixture-of-Experts kernels and inference (Mixtral, DeepSeek-V3) on CPU and NVIDIA Hopper.
+///
+/// Kernel selection follows three switches, read at start-up:
+/// FMOE_USE_FUSED (parent, default 0), FMOE_USE_FUSED_MOE (default 1, only under the parent),
+/// FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE (default 0, even under the parent). Values: 0, 1, true, false.
+/// Logging: RUST_LOG (e.g. RUST_LOG=info).
+#[derive(Parser)]
+#[command(name = "fmoe", version, about, long_about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print the MoE kernel family (fused or portable) a method gets under the current environment.
+    Kernels(cmd::kernels::Args),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(cmd::bench::Bench),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Kernels(args) => cmd::kernels::run(args),
+        Command::Bench(b) => cmd::bench::run(b),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

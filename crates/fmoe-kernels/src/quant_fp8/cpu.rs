@@ -204,7 +204,7 @@ pub fn quantize_blocks(
         for (r, row) in wm.chunks(cols).enumerate() {
             let srow = &mut sm[r / block[0] * bc..][..bc];
             for (c, (seg, s)) in row.chunks(block[1]).zip(srow.iter_mut()).enumerate() {
-                let a = amax(seg).map_err(|(i, v)| (m * n + r * cols + i, v))?;
+                let a = amax(seg).map_err(|(i, v)| (m * n + r * cols + c * block[1] + i, v))?;
                 *s = s.max(a);
             }
         }

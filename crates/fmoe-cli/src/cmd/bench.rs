@@ -1,0 +1,292 @@
+//! `fmoe bench moe`: time every method × kernel family of one MoE layer against the f64 reference.
+
+use std::fs::OpenOptions;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use fmoe_core::env::FusedSwitches;
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::moe_align::align_routes;
+use fmoe_kernels::routing::{TopK, topk_softmax};
+use fmoe_moe::reference::{moe_f64, rel_err};
+use fmoe_moe::stages::ExpertOperands;
+use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use serde::Serialize;
+
+#[derive(clap::Subcommand)]
+pub enum Bench {
+    /// One MoE layer: every method × kernel family at several token counts.
+    Moe(MoeArgs),
+}
+
+#[derive(clap::Args)]
+pub struct MoeArgs {
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: Device,
+    /// Shapes, comma-separated: mixtral-small, deepseek-small (defaults, seconds on 2 cores) or the
+    /// real mixtral-8x7b, mixtral-8x22b, deepseek-v3.
+    #[arg(long, value_delimiter = ',', default_value = "mixtral-small,deepseek-small")]
+    shape: Vec<String>,
+    /// Token counts M, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    tokens: Vec<usize>,
+    /// Methods (unquantized, fp8-tensor, fp8-block); all by default.
+    #[arg(long, value_delimiter = ',')]
+    method: Vec<QuantScheme>,
+    /// Kernel families (fused, portable); both by default.
+    #[arg(long, value_delimiter = ',', value_parser = parse_family)]
+    kernel: Vec<KernelFamily>,
+    /// Append one JSON object per row to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Minimum timed seconds per row (at least 3 runs, at most 50).
+    #[arg(long, default_value_t = 0.15)]
+    min_time: f64,
+    /// Skip the f64 references (rel_err / quant_err become null); for the real shapes on a CPU.
+    #[arg(long)]
+    no_reference: bool,
+    /// Random seed for weights, activations and router logits.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+fn parse_family(s: &str) -> Result<KernelFamily, String> {
+    KernelFamily::ALL.into_iter().find(|f| f.as_str() == s).ok_or_else(|| format!("unknown kernel `{s}` (fused or portable)"))
+}
+
+/// A benchmark shape: one MoE layer.
+struct Shape {
+    name: &'static str,
+    experts: usize,
+    hidden: usize,
+    intermediate: usize,
+    top_k: usize,
+}
+
+const SHAPES: &[Shape] = &[
+    Shape { name: "mixtral-small", experts: 8, hidden: 512, intermediate: 1792, top_k: 2 },
+    Shape { name: "deepseek-small", experts: 32, hidden: 448, intermediate: 160, top_k: 8 },
+    Shape { name: "mixtral-8x7b", experts: 8, hidden: 4096, intermediate: 14336, top_k: 2 },
+    Shape { name: "mixtral-8x22b", experts: 8, hidden: 6144, intermediate: 16384, top_k: 2 },
+    Shape { name: "deepseek-v3", experts: 256, hidden: 7168, intermediate: 2048, top_k: 8 },
+];
+
+#[derive(Serialize)]
+struct Row {
+    date: String,
+    device: String,
+    shape: String,
+    method: String,
+    kernel: String,
+    tokens: usize,
+    experts: usize,
+    hidden: usize,
+    intermediate: usize,
+    top_k: usize,
+    experts_touched: usize,
+    ms: f64,
+    iters: usize,
+    gb_per_s: f64,
+    gflop_per_s: f64,
+    bytes: usize,
+    flops: f64,
+    rel_err: Option<f64>,
+    quant_err: Option<f64>,
+    /// portable ms / fused ms, on fused rows measured beside a portable row.
+    speedup_vs_portable: Option<f64>,
+}
+
+pub fn run(b: Bench) -> Result<()> {
+    let Bench::Moe(args) = b;
+    FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
+    let device = super::require_device(args.device)?;
+    let shapes = args
+        .shape
+        .iter()
+        .map(|s| {
+            SHAPES.iter().find(|x| x.name == s).with_context(|| {
+                let names: Vec<_> = SHAPES.iter().map(|x| x.name).collect();
+                format!("unknown shape `{s}` (one of {})", names.join(", "))
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if args.tokens.is_empty() {
+        bail!("--tokens needs at least one token count");
+    }
+    let methods = if args.method.is_empty() { QuantScheme::ALL.to_vec() } else { args.method.clone() };
+    let families = if args.kernel.is_empty() { KernelFamily::ALL.to_vec() } else { args.kernel.clone() };
+    let mut json = match &args.json {
+        Some(p) => Some(
+            OpenOptions::new().create(true).append(true).open(p).with_context(|| format!("opening {}", p.display()))?,
+        ),
+        None => None,
+    };
+    let total = shapes.len() * methods.len() * args.tokens.len() * families.len();
+    let bar = ProgressBar::new(total as u64).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]").unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let date = today();
+    let mut rows = Vec::new();
+    for shape in &shapes {
+        let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+        let (e, k, n) = (shape.experts, shape.hidden, shape.intermediate);
+        bar.set_message(format!("{}: making weights", shape.name));
+        let w13 = randn_tensor(&mut rng, [e, 2 * n, k], 1.0 / (k as f32).sqrt())?;
+        let w2 = randn_tensor(&mut rng, [e, k, n], 1.0 / (n as f32).sqrt())?;
+        let config = MoeConfig {
+            num_experts: e,
+            top_k: shape.top_k,
+            hidden: k,
+            intermediate: n,
+            // The peers' routing (softmax → top-k → renormalize), so tables compare like with like.
+            routing: Routing::Softmax { renormalize: true },
+            shared_intermediate: None,
+        };
+        for &scheme in &methods {
+            let layers = families
+                .iter()
+                .map(|&f| {
+                    let sw = FusedSwitches { use_fused: f == KernelFamily::Fused, use_fused_moe: true, use_fused_fp8_block_scaled_moe: true };
+                    let experts = CheckpointExperts::Dense { w13: w13.clone(), w2: w2.clone() };
+                    FusedMoe::new(config.clone(), scheme, experts, None, None, &sw, device)
+                })
+                .collect::<fmoe_moe::Result<Vec<_>>>()?;
+            for &m in &args.tokens {
+                let x = randn_tensor(&mut rng, [m, k], 1.0)?.to_dtype(DType::BF16)?;
+                let logits = randn_tensor(&mut rng, [m, e], 1.0)?;
+                let topk = topk_softmax(&logits, shape.top_k, true)?;
+                let touched = align_routes(&topk.ids, e, 1)?.experts_touched()?;
+                bar.set_message(format!("{} {scheme} M={m}: reference", shape.name));
+                let references = if args.no_reference {
+                    None
+                } else {
+                    let ops = layers[0].method().operands()?;
+                    Some((moe_f64(&x, &topk, ops)?, moe_f64(&x, &topk, &ExpertOperands::unquantized(&w13, &w2))?))
+                };
+                let mut portable_ms = None;
+                let mut fused_rows = Vec::new();
+                for layer in &layers {
+                    let family = layer.kernel().family;
+                    bar.set_message(format!("{} {scheme} M={m}: {family}", shape.name));
+                    let (ms, iters, y) = time_layer(layer, &x, &topk, args.min_time)?;
+                    let y = y.to_f32_vec()?;
+                    let (rel, quant) = match &references {
+                        Some((same, exact)) => (Some(rel_err(&y, same)), Some(rel_err(&y, exact))),
+                        None => (None, None),
+                    };
+                    let ops = layer.method().operands()?;
+                    let bytes = touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * m * k * 2;
+                    let flops = 2.0 * (m * shape.top_k) as f64 * 3.0 * (n * k) as f64;
+                    if family == KernelFamily::Portable {
+                        portable_ms = Some(ms);
+                    }
+                    let row = Row {
+                        date: date.clone(),
+                        device: device.to_string(),
+                        shape: shape.name.to_string(),
+                        method: scheme.to_string(),
+                        kernel: family.to_string(),
+                        tokens: m,
+                        experts: e,
+                        hidden: k,
+                        intermediate: n,
+                        top_k: shape.top_k,
+                        experts_touched: touched,
+                        ms,
+                        iters,
+                        gb_per_s: bytes as f64 / (ms * 1e-3) / 1e9,
+                        gflop_per_s: flops / (ms * 1e-3) / 1e9,
+                        bytes,
+                        flops,
+                        rel_err: rel,
+                        quant_err: quant,
+                        speedup_vs_portable: None,
+                    };
+                    if family == KernelFamily::Fused {
+                        fused_rows.push(rows.len());
+                    }
+                    rows.push(row);
+                    bar.inc(1);
+                }
+                for i in fused_rows {
+                    rows[i].speedup_vs_portable = portable_ms.map(|p| p / rows[i].ms);
+                }
+                let start = rows.len() - layers.len();
+                if let Some(f) = json.as_mut() {
+                    for row in &rows[start..] {
+                        writeln!(f, "{}", serde_json::to_string(row)?)?;
+                    }
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    print_table(&rows);
+    Ok(())
+}
+
+/// Median wall time of `forward_routed` (routing excluded, as in the peers' script).
+fn time_layer(layer: &FusedMoe, x: &Tensor, topk: &TopK, min_time: f64) -> Result<(f64, usize, Tensor)> {
+    let y = layer.forward_routed(x, topk)?; // warm-up, and the output we check
+    let mut times = Vec::new();
+    let start = Instant::now();
+    while times.len() < 3 || (start.elapsed().as_secs_f64() < min_time && times.len() < 50) {
+        let t = Instant::now();
+        std::hint::black_box(layer.forward_routed(x, topk)?);
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], times.len(), y))
+}
+
+fn randn_tensor<const R: usize>(rng: &mut ChaCha8Rng, dims: [usize; R], scale: f32) -> Result<Tensor> {
+    let n = dims.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).map(|v: f32| v * scale).collect();
+    Ok(Tensor::from_f32(&v, dims, DType::BF16, &Device::Cpu)?)
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
+        "shape", "method", "kernel", "M", "exp", "ms", "GB/s", "GFLOP/s", "rel_err", "quant_err", "speedup"
+    );
+    let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$e}"));
+    for r in rows {
+        println!(
+            "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10.3} {:>8.2} {:>9.2} {:>9} {:>9} {:>8}",
+            r.shape,
+            r.method,
+            r.kernel,
+            r.tokens,
+            r.experts_touched,
+            r.ms,
+            r.gb_per_s,
+            r.gflop_per_s,
+            opt(r.rel_err, 2),
+            opt(r.quant_err, 2),
+            r.speedup_vs_portable.map_or("-".to_string(), |s| format!("{s:.2}x")),
+        );
+    }
+}
+
+/// UTC date as YYYY-MM-DD, from the system clock (civil-from-days).
+fn today() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let z = (secs / 86_400) as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
