@@ -23,7 +23,13 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 5] = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::U32];
+    pub const ALL: [DType; 5] = [
+        DType::F32,
+        DType::BF16,
+        DType::F16,
+        DType::F8E4M3,
+        DType::U32,
+    ];
 
     pub fn size_in_bytes(self) -> usize {
         match self {
@@ -70,7 +76,9 @@ impl FromStr for DType {
             "f16" | "fp16" | "float16" => Ok(DType::F16),
             "f8e4m3" | "fp8" | "float8_e4m3fn" => Ok(DType::F8E4M3),
             "u32" | "uint32" => Ok(DType::U32),
-            _ => Err(format!("unknown dtype `{s}` (expected f32, bf16, f16 or f8e4m3)")),
+            _ => Err(format!(
+                "unknown dtype `{s}` (expected f32, bf16, f16 or f8e4m3)"
+            )),
         }
     }
 }
@@ -116,7 +124,12 @@ with_dtype!(u32, U32, |v: f32| v as u32, |v: u32| v as f32);
 with_dtype!(bf16, BF16, bf16::from_f32, bf16::to_f32);
 with_dtype!(f16, F16, f16::from_f32, f16::to_f32);
 // float8's `from_f32` is RNE with finite saturation (Inf -> ±448) and NaN -> NaN: the policy we want.
-with_dtype!(F8E4M3, F8E4M3, F8E4M3::from_f32, |v: F8E4M3| F8E4M3::to_f32(&v));
+with_dtype!(
+    F8E4M3,
+    F8E4M3,
+    F8E4M3::from_f32,
+    |v: F8E4M3| F8E4M3::to_f32(&v)
+);
 
 #[cfg(test)]
 mod tests {
@@ -126,8 +139,14 @@ mod tests {
     fn fp8_conversion_saturates_and_keeps_nan() {
         assert_eq!(<F8E4M3 as WithDType>::from_f32(448.0).to_bits(), 0x7E);
         assert_eq!(<F8E4M3 as WithDType>::from_f32(1e9).to_bits(), 0x7E);
-        assert_eq!(<F8E4M3 as WithDType>::from_f32(f32::INFINITY).to_bits(), 0x7E);
-        assert_eq!(<F8E4M3 as WithDType>::from_f32(f32::NEG_INFINITY).to_bits(), 0xFE);
+        assert_eq!(
+            <F8E4M3 as WithDType>::from_f32(f32::INFINITY).to_bits(),
+            0x7E
+        );
+        assert_eq!(
+            <F8E4M3 as WithDType>::from_f32(f32::NEG_INFINITY).to_bits(),
+            0xFE
+        );
         assert!(<F8E4M3 as WithDType>::from_f32(f32::NAN).to_f32().is_nan());
     }
 

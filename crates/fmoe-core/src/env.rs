@@ -27,7 +27,11 @@ pub struct FusedSwitches {
 
 impl Default for FusedSwitches {
     fn default() -> Self {
-        FusedSwitches { use_fused: false, use_fused_moe: true, use_fused_fp8_block_scaled_moe: false }
+        FusedSwitches {
+            use_fused: false,
+            use_fused_moe: true,
+            use_fused_fp8_block_scaled_moe: false,
+        }
     }
 }
 
@@ -41,7 +45,11 @@ impl FusedSwitches {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let d = FusedSwitches::default();
         Ok(FusedSwitches {
-            use_fused: parse_switch(FMOE_USE_FUSED, lookup(FMOE_USE_FUSED).as_deref(), d.use_fused)?,
+            use_fused: parse_switch(
+                FMOE_USE_FUSED,
+                lookup(FMOE_USE_FUSED).as_deref(),
+                d.use_fused,
+            )?,
             use_fused_moe: parse_switch(
                 FMOE_USE_FUSED_MOE,
                 lookup(FMOE_USE_FUSED_MOE).as_deref(),
@@ -58,11 +66,16 @@ impl FusedSwitches {
 
 /// Parses one boolean switch; `None` (unset) gives `default`.
 pub fn parse_switch(var: &'static str, value: Option<&str>, default: bool) -> Result<bool> {
-    let Some(value) = value else { return Ok(default) };
+    let Some(value) = value else {
+        return Ok(default);
+    };
     match value.to_ascii_lowercase().as_str() {
         "1" | "true" => Ok(true),
         "0" | "false" => Ok(false),
-        _ => Err(Error::InvalidEnv { var, value: value.to_string() }),
+        _ => Err(Error::InvalidEnv {
+            var,
+            value: value.to_string(),
+        }),
     }
 }
 
@@ -72,8 +85,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn switches(pairs: &[(&str, &str)]) -> Result<FusedSwitches> {
-        let map: HashMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         FusedSwitches::from_lookup(|k| map.get(k).cloned())
     }
 
@@ -86,22 +101,40 @@ mod tests {
 
     #[test]
     fn accepts_the_four_spellings_in_any_case() {
-        for (v, want) in [("1", true), ("0", false), ("true", true), ("FALSE", false), ("True", true)] {
-            assert_eq!(parse_switch(FMOE_USE_FUSED, Some(v), !want).unwrap(), want, "{v}");
+        for (v, want) in [
+            ("1", true),
+            ("0", false),
+            ("true", true),
+            ("FALSE", false),
+            ("True", true),
+        ] {
+            assert_eq!(
+                parse_switch(FMOE_USE_FUSED, Some(v), !want).unwrap(),
+                want,
+                "{v}"
+            );
         }
     }
 
     #[test]
     fn each_variable_is_parsed_alone() {
         // The parent being off does not change what the children read as.
-        let s = switches(&[(FMOE_USE_FUSED, "0"), (FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE, "1")]).unwrap();
+        let s = switches(&[
+            (FMOE_USE_FUSED, "0"),
+            (FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE, "1"),
+        ])
+        .unwrap();
         assert!(!s.use_fused && s.use_fused_moe && s.use_fused_fp8_block_scaled_moe);
     }
 
     #[test]
     fn bad_values_name_the_variable() {
         for bad in ["yes", "2", "", " 1", "on"] {
-            for var in [FMOE_USE_FUSED, FMOE_USE_FUSED_MOE, FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE] {
+            for var in [
+                FMOE_USE_FUSED,
+                FMOE_USE_FUSED_MOE,
+                FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE,
+            ] {
                 let err = switches(&[(var, bad)]).unwrap_err().to_string();
                 assert!(err.contains(var), "{err}");
                 assert!(err.contains(&format!("{bad:?}")), "{err}");

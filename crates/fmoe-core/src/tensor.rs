@@ -89,28 +89,52 @@ pub struct Tensor {
 }
 
 fn no_backend(op: &'static str, device: Device) -> Error {
-    Error::Unsupported { op, device, reason: "this build has no backend for the device".into() }
+    Error::Unsupported {
+        op,
+        device,
+        reason: "this build has no backend for the device".into(),
+    }
 }
 
 impl Tensor {
     /// Wraps host data; `data.len()` must equal the shape's element count.
-    pub fn from_vec<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+    pub fn from_vec<T: WithDType>(
+        data: Vec<T>,
+        shape: impl Into<Shape>,
+        device: &Device,
+    ) -> Result<Tensor> {
         Tensor::from_cpu_storage(T::into_storage(data), shape, device)
     }
 
-    pub fn from_cpu_storage(storage: CpuStorage, shape: impl Into<Shape>, device: &Device) -> Result<Tensor> {
+    pub fn from_cpu_storage(
+        storage: CpuStorage,
+        shape: impl Into<Shape>,
+        device: &Device,
+    ) -> Result<Tensor> {
         let shape = shape.into();
         if storage.len() != shape.elem_count() {
-            return Err(Error::DataLength { op: "Tensor::from_vec", len: storage.len(), shape });
+            return Err(Error::DataLength {
+                op: "Tensor::from_vec",
+                len: storage.len(),
+                shape,
+            });
         }
         match device {
-            Device::Cpu => Ok(Tensor { storage: Arc::new(Storage::Cpu(storage)), shape }),
+            Device::Cpu => Ok(Tensor {
+                storage: Arc::new(Storage::Cpu(storage)),
+                shape,
+            }),
             d => Err(no_backend("Tensor::from_vec", *d)),
         }
     }
 
     /// Converts f32 data to `dtype` (round to nearest even; fp8 saturates) and wraps it.
-    pub fn from_f32(data: &[f32], shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+    pub fn from_f32(
+        data: &[f32],
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
         Tensor::from_cpu_storage(CpuStorage::from_f32_slice(data, dtype), shape, device)
     }
 
@@ -145,9 +169,16 @@ impl Tensor {
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
         if shape.elem_count() != self.elem_count() {
-            return Err(Error::DataLength { op: "Tensor::reshape", len: self.elem_count(), shape });
+            return Err(Error::DataLength {
+                op: "Tensor::reshape",
+                len: self.elem_count(),
+                shape,
+            });
         }
-        Ok(Tensor { storage: self.storage.clone(), shape })
+        Ok(Tensor {
+            storage: self.storage.clone(),
+            shape,
+        })
     }
 
     /// A copy of entry `i` along the first dimension (e.g. one expert of a stacked weight).
@@ -158,7 +189,10 @@ impl Tensor {
             return Err(Error::invalid(OP, "cannot index a rank-0 tensor"));
         };
         if i >= n {
-            return Err(Error::invalid(OP, format!("index {i} out of range for dimension 0 of size {n}")));
+            return Err(Error::invalid(
+                OP,
+                format!("index {i} out of range for dimension 0 of size {n}"),
+            ));
         }
         let per: usize = rest.iter().product();
         fn part<T: WithDType>(v: &[T], r: std::ops::Range<usize>) -> CpuStorage {
@@ -251,7 +285,13 @@ impl Tensor {
     }
 
     /// Checks the rank, naming the op and tensor on failure; returns the dims.
-    pub fn expect_rank(&self, op: &'static str, name: &str, rank: usize, what: &str) -> Result<&[usize]> {
+    pub fn expect_rank(
+        &self,
+        op: &'static str,
+        name: &str,
+        rank: usize,
+        what: &str,
+    ) -> Result<&[usize]> {
         if self.shape.rank() != rank {
             return Err(Error::ShapeMismatch {
                 op,
@@ -266,15 +306,29 @@ impl Tensor {
     pub fn expect_dtype(&self, op: &'static str, name: &str, allowed: &[DType]) -> Result<DType> {
         let d = self.dtype();
         if !allowed.contains(&d) {
-            let expected = allowed.iter().map(|d| d.as_str()).collect::<Vec<_>>().join(" or ");
-            return Err(Error::DTypeMismatch { op, tensor: name.to_string(), expected, got: d });
+            let expected = allowed
+                .iter()
+                .map(|d| d.as_str())
+                .collect::<Vec<_>>()
+                .join(" or ");
+            return Err(Error::DTypeMismatch {
+                op,
+                tensor: name.to_string(),
+                expected,
+                got: d,
+            });
         }
         Ok(d)
     }
 
     pub fn expect_device(&self, op: &'static str, name: &str, device: Device) -> Result<()> {
         if self.device() != device {
-            return Err(Error::DeviceMismatch { op, tensor: name.to_string(), expected: device, got: self.device() });
+            return Err(Error::DeviceMismatch {
+                op,
+                tensor: name.to_string(),
+                expected: device,
+                got: self.device(),
+            });
         }
         Ok(())
     }
@@ -293,10 +347,22 @@ mod tests {
     #[test]
     fn dtype_checks_name_the_tensor() {
         let t = Tensor::zeros([2, 2], DType::BF16, &Device::Cpu).unwrap();
-        let err = t.cpu_slice::<f32>("test_op", "w13").unwrap_err().to_string();
-        assert!(err.contains("test_op") && err.contains("w13") && err.contains("bf16"), "{err}");
-        let err = t.expect_dims("test_op", "w2", &[3, 2]).unwrap_err().to_string();
-        assert!(err.contains("w2") && err.contains("[3, 2]") && err.contains("[2, 2]"), "{err}");
+        let err = t
+            .cpu_slice::<f32>("test_op", "w13")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("test_op") && err.contains("w13") && err.contains("bf16"),
+            "{err}"
+        );
+        let err = t
+            .expect_dims("test_op", "w2", &[3, 2])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("w2") && err.contains("[3, 2]") && err.contains("[2, 2]"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -306,13 +372,23 @@ mod tests {
         assert_eq!(parts[1].cpu_slice::<u32>("t", "p").unwrap(), &[4, 5, 6, 7]);
         let back = Tensor::stack0(&parts).unwrap();
         assert_eq!(back.dims(), &[3, 2, 2]);
-        assert_eq!(back.cpu_slice::<u32>("t", "b").unwrap(), t.cpu_slice::<u32>("t", "t").unwrap());
-        assert!(t.index0(3).unwrap_err().to_string().contains("out of range"));
+        assert_eq!(
+            back.cpu_slice::<u32>("t", "b").unwrap(),
+            t.cpu_slice::<u32>("t", "t").unwrap()
+        );
+        assert!(
+            t.index0(3)
+                .unwrap_err()
+                .to_string()
+                .contains("out of range")
+        );
     }
 
     #[test]
     fn cuda_without_backend_is_an_error() {
-        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(0)).unwrap_err().to_string();
+        let err = Tensor::zeros([1], DType::F32, &Device::Cuda(0))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("cuda:0"), "{err}");
     }
 

@@ -7,13 +7,27 @@ pub enum Error {
     Core(#[from] fmoe_core::Error),
 
     #[error("{op}: top-k {k} is not in 1..={experts} (the number of experts)")]
-    TopK { op: &'static str, k: usize, experts: usize },
+    TopK {
+        op: &'static str,
+        k: usize,
+        experts: usize,
+    },
 
     #[error("{op}: scale tensor `{tensor}` has shape {got}, expected {expected}")]
-    ScaleShape { op: &'static str, tensor: String, expected: String, got: Shape },
+    ScaleShape {
+        op: &'static str,
+        tensor: String,
+        expected: String,
+        got: Shape,
+    },
 
     #[error("{op}: expert id {id} at route {route} is out of range for {experts} experts")]
-    ExpertId { op: &'static str, id: u32, route: usize, experts: usize },
+    ExpertId {
+        op: &'static str,
+        id: u32,
+        route: usize,
+        experts: usize,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -9,7 +9,12 @@ pub enum Routing {
     /// Mixtral: softmax → top-k → renormalize (if set).
     Softmax { renormalize: bool },
     /// DeepSeek-V3 "noaux_tc": sigmoid, bias for selection, grouped top-k, scaling.
-    GroupedSigmoid { n_group: usize, topk_group: usize, renormalize: bool, routed_scaling_factor: f32 },
+    GroupedSigmoid {
+        n_group: usize,
+        topk_group: usize,
+        renormalize: bool,
+        routed_scaling_factor: f32,
+    },
 }
 
 /// Shape of one MoE layer. `hidden` is K (model width), `intermediate` is N (per expert).
@@ -34,14 +39,27 @@ impl MoeConfig {
             ));
         }
         if self.top_k == 0 || self.top_k > self.num_experts {
-            return bad(format!("top_k {} is not in 1..={} (num_experts)", self.top_k, self.num_experts));
+            return bad(format!(
+                "top_k {} is not in 1..={} (num_experts)",
+                self.top_k, self.num_experts
+            ));
         }
-        if let Routing::GroupedSigmoid { n_group, topk_group, .. } = self.routing {
-            if n_group == 0 || self.num_experts % n_group != 0 {
-                return bad(format!("n_group {n_group} must divide num_experts {}", self.num_experts));
+        if let Routing::GroupedSigmoid {
+            n_group,
+            topk_group,
+            ..
+        } = self.routing
+        {
+            if n_group == 0 || !self.num_experts.is_multiple_of(n_group) {
+                return bad(format!(
+                    "n_group {n_group} must divide num_experts {}",
+                    self.num_experts
+                ));
             }
             if topk_group == 0 || topk_group > n_group {
-                return bad(format!("topk_group {topk_group} is not in 1..={n_group} (n_group)"));
+                return bad(format!(
+                    "topk_group {topk_group} is not in 1..={n_group} (n_group)"
+                ));
             }
             if self.top_k > topk_group * (self.num_experts / n_group) {
                 return bad(format!(
@@ -70,7 +88,11 @@ pub enum QuantScheme {
 }
 
 impl QuantScheme {
-    pub const ALL: [QuantScheme; 3] = [QuantScheme::Unquantized, QuantScheme::Fp8PerTensor, QuantScheme::Fp8Block];
+    pub const ALL: [QuantScheme; 3] = [
+        QuantScheme::Unquantized,
+        QuantScheme::Fp8PerTensor,
+        QuantScheme::Fp8Block,
+    ];
 
     /// The name used by the CLI and benchmark rows.
     pub fn as_str(self) -> &'static str {
@@ -94,6 +116,8 @@ impl FromStr for QuantScheme {
         QuantScheme::ALL
             .into_iter()
             .find(|q| q.as_str() == s)
-            .ok_or_else(|| format!("unknown MoE method `{s}` (expected unquantized, fp8-tensor or fp8-block)"))
+            .ok_or_else(|| {
+                format!("unknown MoE method `{s}` (expected unquantized, fp8-tensor or fp8-block)")
+            })
     }
 }

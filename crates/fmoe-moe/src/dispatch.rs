@@ -14,7 +14,9 @@ use std::fmt;
 use std::sync::{Mutex, OnceLock};
 
 use fmoe_core::Device;
-use fmoe_core::env::{FMOE_USE_FUSED, FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE, FMOE_USE_FUSED_MOE, FusedSwitches};
+use fmoe_core::env::{
+    FMOE_USE_FUSED, FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE, FMOE_USE_FUSED_MOE, FusedSwitches,
+};
 
 use crate::{QuantScheme, Result};
 
@@ -51,7 +53,11 @@ pub struct KernelChoice {
 }
 
 /// Combines the switches for one layer's scheme on one device.
-pub fn resolve(switches: &FusedSwitches, scheme: QuantScheme, device: Device) -> Result<KernelChoice> {
+pub fn resolve(
+    switches: &FusedSwitches,
+    scheme: QuantScheme,
+    device: Device,
+) -> Result<KernelChoice> {
     let _ = device; // both families exist on every supported device
     let (family, reason) = if !switches.use_fused {
         (KernelFamily::Portable, format!("{FMOE_USE_FUSED} is off"))
@@ -59,16 +65,21 @@ pub fn resolve(switches: &FusedSwitches, scheme: QuantScheme, device: Device) ->
         (KernelFamily::Portable, format!("{FMOE_USE_FUSED_MOE}=0"))
     } else {
         match scheme {
-            QuantScheme::Unquantized | QuantScheme::Fp8PerTensor => {
-                (KernelFamily::Fused, format!("{FMOE_USE_FUSED}=1 and {FMOE_USE_FUSED_MOE} on"))
-            }
+            QuantScheme::Unquantized | QuantScheme::Fp8PerTensor => (
+                KernelFamily::Fused,
+                format!("{FMOE_USE_FUSED}=1 and {FMOE_USE_FUSED_MOE} on"),
+            ),
             QuantScheme::Fp8Block if switches.use_fused_fp8_block_scaled_moe => (
                 KernelFamily::Fused,
-                format!("{FMOE_USE_FUSED}=1, {FMOE_USE_FUSED_MOE} on and {FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE}=1"),
+                format!(
+                    "{FMOE_USE_FUSED}=1, {FMOE_USE_FUSED_MOE} on and {FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE}=1"
+                ),
             ),
             QuantScheme::Fp8Block => (
                 KernelFamily::Portable,
-                format!("{FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE} is off (block-scaled fp8 needs it even under {FMOE_USE_FUSED}=1)"),
+                format!(
+                    "{FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE} is off (block-scaled fp8 needs it even under {FMOE_USE_FUSED}=1)"
+                ),
             ),
         }
     };
@@ -79,8 +90,75 @@ pub fn resolve(switches: &FusedSwitches, scheme: QuantScheme, device: Device) ->
 pub fn log_choice_once(scheme: QuantScheme, device: Device, choice: &KernelChoice) {
     static SEEN: OnceLock<Mutex<HashSet<(QuantScheme, Device, KernelFamily)>>> = OnceLock::new();
     let seen = SEEN.get_or_init(|| Mutex::new(HashSet::new()));
-    let first = seen.lock().map(|mut s| s.insert((scheme, device, choice.family))).unwrap_or(true);
+    let first = seen
+        .lock()
+        .map(|mut s| s.insert((scheme, device, choice.family)))
+        .unwrap_or(true);
     if first {
         tracing::info!(method = %scheme, %device, kernel = %choice.family, reason = %choice.reason, "MoE kernel selected");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The truth table of the module docs, row by row, for every method.
+    #[test]
+    fn full_truth_table() {
+        use KernelFamily::{Fused as F, Portable as P};
+        // (use_fused, use_fused_moe, block) → (unquantized, fp8-tensor, fp8-block)
+        let table = [
+            ((false, false, false), [P, P, P]),
+            ((false, false, true), [P, P, P]),
+            ((false, true, false), [P, P, P]),
+            ((false, true, true), [P, P, P]),
+            ((true, false, false), [P, P, P]),
+            ((true, false, true), [P, P, P]),
+            ((true, true, false), [F, F, P]),
+            ((true, true, true), [F, F, F]),
+        ];
+        for ((a, b, c), want) in table {
+            let sw = FusedSwitches {
+                use_fused: a,
+                use_fused_moe: b,
+                use_fused_fp8_block_scaled_moe: c,
+            };
+            for (scheme, want) in QuantScheme::ALL.into_iter().zip(want) {
+                for device in [Device::Cpu, Device::Cuda(0)] {
+                    let got = resolve(&sw, scheme, device).unwrap();
+                    assert_eq!(got.family, want, "{sw:?} {scheme} {device}");
+                    assert!(!got.reason.is_empty());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn defaults_are_portable_and_reasons_name_the_deciding_variable() {
+        let d = FusedSwitches::default();
+        for scheme in QuantScheme::ALL {
+            let c = resolve(&d, scheme, Device::Cpu).unwrap();
+            assert_eq!(c.family, KernelFamily::Portable);
+            assert!(c.reason.contains(FMOE_USE_FUSED), "{}", c.reason);
+        }
+        let parent = FusedSwitches {
+            use_fused: true,
+            ..d
+        };
+        let c = resolve(&parent, QuantScheme::Fp8Block, Device::Cpu).unwrap();
+        assert_eq!(c.family, KernelFamily::Portable);
+        assert!(
+            c.reason.contains(FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE),
+            "{}",
+            c.reason
+        );
+        let off = FusedSwitches {
+            use_fused: true,
+            use_fused_moe: false,
+            use_fused_fp8_block_scaled_moe: true,
+        };
+        let c = resolve(&off, QuantScheme::Fp8Block, Device::Cpu).unwrap();
+        assert!(c.reason.contains(FMOE_USE_FUSED_MOE), "{}", c.reason);
     }
 }

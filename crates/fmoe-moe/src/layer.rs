@@ -50,14 +50,34 @@ impl FusedMoe {
                 Some(SharedExpert { method: m })
             }
             (None, None) => None,
-            (Some(_), None) => return Err(Error::Config("shared expert weights given but shared_intermediate is unset".into())),
-            (None, Some(_)) => return Err(Error::Config("shared_intermediate is set but no shared expert weights were given".into())),
+            (Some(_), None) => {
+                return Err(Error::Config(
+                    "shared expert weights given but shared_intermediate is unset".into(),
+                ));
+            }
+            (None, Some(_)) => {
+                return Err(Error::Config(
+                    "shared_intermediate is set but no shared expert weights were given".into(),
+                ));
+            }
         };
         if let Some(b) = &bias {
-            b.expect_dims("FusedMoe::new", "e_score_correction_bias", &[config.num_experts])?;
+            b.expect_dims(
+                "FusedMoe::new",
+                "e_score_correction_bias",
+                &[config.num_experts],
+            )?;
             b.expect_dtype("FusedMoe::new", "e_score_correction_bias", &[DType::F32])?;
         }
-        Ok(FusedMoe { config, scheme, device, choice, method, shared, bias })
+        Ok(FusedMoe {
+            config,
+            scheme,
+            device,
+            choice,
+            method,
+            shared,
+            bias,
+        })
     }
 
     pub fn config(&self) -> &MoeConfig {
@@ -88,15 +108,27 @@ impl FusedMoe {
     pub fn forward_routed(&self, x: &Tensor, topk: &TopK) -> Result<Tensor> {
         self.check_input(x)?;
         let y = self.method.apply(x, topk, self.choice.family)?;
-        let Some(shared) = &self.shared else { return Ok(y) };
+        let Some(shared) = &self.shared else {
+            return Ok(y);
+        };
         let m = x.dims()[0];
         let all = TopK {
             ids: Tensor::from_vec(vec![0u32; m], [m, 1], &self.device)?,
             weights: Tensor::from_vec(vec![1.0f32; m], [m, 1], &self.device)?,
         };
         let s = shared.method.apply(x, &all, self.choice.family)?;
-        let sum: Vec<f32> = y.to_f32_vec()?.iter().zip(s.to_f32_vec()?).map(|(a, b)| a + b).collect();
-        Ok(Tensor::from_f32(&sum, y.shape().clone(), x.dtype(), &self.device)?)
+        let sum: Vec<f32> = y
+            .to_f32_vec()?
+            .iter()
+            .zip(s.to_f32_vec()?)
+            .map(|(a, b)| a + b)
+            .collect();
+        Ok(Tensor::from_f32(
+            &sum,
+            y.shape().clone(),
+            x.dtype(),
+            &self.device,
+        )?)
     }
 
     fn check_input(&self, x: &Tensor) -> Result<()> {
@@ -105,8 +137,19 @@ impl FusedMoe {
         x.expect_dtype(OP, "hidden_states", &[DType::BF16, DType::F16, DType::F32])?;
         x.expect_device(OP, "hidden_states", self.device)?;
         // A NaN or Inf would poison every expert it reaches; refuse it here with its position.
-        if let Some((index, value)) = x.to_f32_vec()?.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-            return Err(fmoe_core::Error::NonFinite { op: OP, tensor: "hidden_states".into(), index, value: *value }.into());
+        if let Some((index, value)) = x
+            .to_f32_vec()?
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !v.is_finite())
+        {
+            return Err(fmoe_core::Error::NonFinite {
+                op: OP,
+                tensor: "hidden_states".into(),
+                index,
+                value: *value,
+            }
+            .into());
         }
         Ok(())
     }

@@ -29,11 +29,16 @@ fn act_values(a: &ActOperand) -> Result<Vec<f64>> {
     let cols = a.data().dims()[1].max(1);
     Ok(match a {
         ActOperand::Plain(_) => data,
-        ActOperand::Fp8PerTensor { scale, .. } => data.iter().map(|v| v * f64::from(*scale)).collect(),
+        ActOperand::Fp8PerTensor { scale, .. } => {
+            data.iter().map(|v| v * f64::from(*scale)).collect()
+        }
         ActOperand::Fp8Group { scales, .. } => {
             let s = scales.to_f32_vec()?;
             let g = cols.div_ceil(QBLOCK);
-            data.iter().enumerate().map(|(i, v)| v * f64::from(s[(i / cols) * g + (i % cols) / QBLOCK])).collect()
+            data.iter()
+                .enumerate()
+                .map(|(i, v)| v * f64::from(s[(i / cols) * g + (i % cols) / QBLOCK]))
+                .collect()
         }
     })
 }
@@ -42,7 +47,13 @@ fn act_values(a: &ActOperand) -> Result<Vec<f64>> {
 fn expert_values(w: &WeightOperand, e: usize) -> Result<Vec<f64>> {
     let d = w.data().dims();
     let (rows, cols) = (d[1], d[2]);
-    let data: Vec<f64> = w.data().index0(e)?.to_f32_vec()?.into_iter().map(f64::from).collect();
+    let data: Vec<f64> = w
+        .data()
+        .index0(e)?
+        .to_f32_vec()?
+        .into_iter()
+        .map(f64::from)
+        .collect();
     Ok(match w {
         WeightOperand::Plain(_) => data,
         WeightOperand::Fp8PerTensor { scales, .. } => {
@@ -55,7 +66,9 @@ fn expert_values(w: &WeightOperand, e: usize) -> Result<Vec<f64>> {
             let _ = rows;
             data.iter()
                 .enumerate()
-                .map(|(i, v)| v * f64::from(s[(i / cols.max(1)) / QBLOCK * cb + (i % cols.max(1)) / QBLOCK]))
+                .map(|(i, v)| {
+                    v * f64::from(s[(i / cols.max(1)) / QBLOCK * cb + (i % cols.max(1)) / QBLOCK])
+                })
                 .collect()
         }
     })
@@ -82,7 +95,12 @@ pub fn moe_f64(x: &Tensor, topk: &TopK, ops: &ExpertOperands) -> Result<Vec<f64>
             .par_iter()
             .map(|&r| {
                 let xt = &a1[(r / top_k) * k..(r / top_k + 1) * k];
-                let dot = |row: usize| xt.iter().zip(&w[row * k..(row + 1) * k]).map(|(a, b)| a * b).sum::<f64>();
+                let dot = |row: usize| {
+                    xt.iter()
+                        .zip(&w[row * k..(row + 1) * k])
+                        .map(|(a, b)| a * b)
+                        .sum::<f64>()
+                };
                 (r, (0..n).map(|j| silu(dot(j)) * dot(n + j)).collect())
             })
             .collect();
@@ -110,7 +128,17 @@ pub fn moe_f64(x: &Tensor, topk: &TopK, ops: &ExpertOperands) -> Result<Vec<f64>
             .par_iter()
             .map(|&r| {
                 let hr = &a2[r * n..(r + 1) * n];
-                (r, (0..k).map(|c| hr.iter().zip(&w[c * n..(c + 1) * n]).map(|(a, b)| a * b).sum()).collect())
+                (
+                    r,
+                    (0..k)
+                        .map(|c| {
+                            hr.iter()
+                                .zip(&w[c * n..(c + 1) * n])
+                                .map(|(a, b)| a * b)
+                                .sum()
+                        })
+                        .collect(),
+                )
             })
             .collect();
         for (r, out) in outs {
@@ -131,5 +159,9 @@ pub fn rel_err(got: &[f32], want: &[f64]) -> f64 {
         num += (f64::from(*g) - w).powi(2);
         den += w * w;
     }
-    if den == 0.0 { num.sqrt() } else { (num / den).sqrt() }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
 }

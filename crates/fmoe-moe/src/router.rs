@@ -9,12 +9,25 @@ use crate::{Error, MoeConfig, Result, Routing};
 /// for grouped sigmoid routing.
 pub fn route(config: &MoeConfig, logits: &Tensor, bias: Option<&Tensor>) -> Result<TopK> {
     Ok(match config.routing {
-        Routing::Softmax { renormalize } => routing::topk_softmax(logits, config.top_k, renormalize)?,
-        Routing::GroupedSigmoid { n_group, topk_group, renormalize, routed_scaling_factor } => {
+        Routing::Softmax { renormalize } => {
+            routing::topk_softmax(logits, config.top_k, renormalize)?
+        }
+        Routing::GroupedSigmoid {
+            n_group,
+            topk_group,
+            renormalize,
+            routed_scaling_factor,
+        } => {
             let bias = bias.ok_or_else(|| {
                 Error::Config("grouped sigmoid routing needs e_score_correction_bias".to_string())
             })?;
-            let p = GroupedTopKParams { top_k: config.top_k, n_group, topk_group, renormalize, routed_scaling_factor };
+            let p = GroupedTopKParams {
+                top_k: config.top_k,
+                n_group,
+                topk_group,
+                renormalize,
+                routed_scaling_factor,
+            };
             routing::grouped_topk(logits, bias, &p)?
         }
     })

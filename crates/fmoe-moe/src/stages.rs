@@ -19,7 +19,12 @@ pub struct ExpertOperands {
 }
 
 /// y = Σ_j w_j · W2_e(silu(W1_e x) ⊙ W3_e x) for every token of `x` [M, K]; returns x's dtype.
-pub fn run_experts(x: &Tensor, topk: &TopK, ops: &ExpertOperands, family: KernelFamily) -> Result<Tensor> {
+pub fn run_experts(
+    x: &Tensor,
+    topk: &TopK,
+    ops: &ExpertOperands,
+    family: KernelFamily,
+) -> Result<Tensor> {
     let num_experts = ops.w13.data().dims().first().copied().unwrap_or(0);
     // Prepare: quantize a1 (same function on both paths).
     let a1 = ActOperand::quantize(x, ops.act_quant)?;
@@ -32,9 +37,14 @@ pub fn run_experts(x: &Tensor, topk: &TopK, ops: &ExpertOperands, family: Kernel
             // Finalize (routing weights, top-k sum) is fused into GEMM2.
             moe_gemm::gemm2_weighted_sum(&a2, &routes, &topk.weights, &ops.w2)?
         }
-        KernelFamily::Portable => {
-            moe_gemm::portable_expert_loop(&a1, &topk.ids, &topk.weights, &ops.w13, &ops.w2, ops.act_quant)?
-        }
+        KernelFamily::Portable => moe_gemm::portable_expert_loop(
+            &a1,
+            &topk.ids,
+            &topk.weights,
+            &ops.w13,
+            &ops.w2,
+            ops.act_quant,
+        )?,
     };
     Ok(y.to_dtype(x.dtype())?)
 }

@@ -22,7 +22,10 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n).map(|_| StandardNormal.sample(rng)).map(|v: f32| v * scale).collect()
+    (0..n)
+        .map(|_| StandardNormal.sample(rng))
+        .map(|v: f32| v * scale)
+        .collect()
 }
 
 struct Case {
@@ -34,17 +37,57 @@ struct Case {
 }
 
 const CASES: &[Case] = &[
-    Case { m: 0, e: 4, k: 64, n: 32, top_k: 2 },
-    Case { m: 1, e: 4, k: 64, n: 32, top_k: 2 },
-    Case { m: 5, e: 1, k: 96, n: 40, top_k: 1 },
-    Case { m: 7, e: 4, k: 130, n: 72, top_k: 4 },
-    Case { m: 33, e: 8, k: 256, n: 200, top_k: 2 },
-    Case { m: 17, e: 6, k: 200, n: 136, top_k: 3 },
+    Case {
+        m: 0,
+        e: 4,
+        k: 64,
+        n: 32,
+        top_k: 2,
+    },
+    Case {
+        m: 1,
+        e: 4,
+        k: 64,
+        n: 32,
+        top_k: 2,
+    },
+    Case {
+        m: 5,
+        e: 1,
+        k: 96,
+        n: 40,
+        top_k: 1,
+    },
+    Case {
+        m: 7,
+        e: 4,
+        k: 130,
+        n: 72,
+        top_k: 4,
+    },
+    Case {
+        m: 33,
+        e: 8,
+        k: 256,
+        n: 200,
+        top_k: 2,
+    },
+    Case {
+        m: 17,
+        e: 6,
+        k: 200,
+        n: 136,
+        top_k: 3,
+    },
 ];
 
 fn switches_for(family: KernelFamily) -> FusedSwitches {
     let on = family == KernelFamily::Fused;
-    FusedSwitches { use_fused: on, use_fused_moe: true, use_fused_fp8_block_scaled_moe: on }
+    FusedSwitches {
+        use_fused: on,
+        use_fused_moe: true,
+        use_fused_fp8_block_scaled_moe: on,
+    }
 }
 
 fn config(c: &Case) -> MoeConfig {
@@ -91,13 +134,29 @@ fn every_method_and_family_matches_the_f64_reference() {
     for (ci, c) in CASES.iter().enumerate() {
         let inp = inputs(c, 1000 + ci as u64);
         let topk = topk_softmax(&inp.logits, c.top_k, true).unwrap();
-        let exact = moe_f64(&inp.x, &topk, &ExpertOperands::unquantized(&inp.w13, &inp.w2)).unwrap();
+        let exact = moe_f64(
+            &inp.x,
+            &topk,
+            &ExpertOperands::unquantized(&inp.w13, &inp.w2),
+        )
+        .unwrap();
         for scheme in QuantScheme::ALL {
             let mut outputs = Vec::new();
             for family in KernelFamily::ALL {
-                let experts = CheckpointExperts::Dense { w13: inp.w13.clone(), w2: inp.w2.clone() };
-                let layer =
-                    FusedMoe::new(config(c), scheme, experts, None, None, &switches_for(family), Device::Cpu).unwrap();
+                let experts = CheckpointExperts::Dense {
+                    w13: inp.w13.clone(),
+                    w2: inp.w2.clone(),
+                };
+                let layer = FusedMoe::new(
+                    config(c),
+                    scheme,
+                    experts,
+                    None,
+                    None,
+                    &switches_for(family),
+                    Device::Cpu,
+                )
+                .unwrap();
                 assert_eq!(layer.kernel().family, family);
                 // Poison: the output must be a fresh tensor of the right shape, never stale data.
                 let y = layer.forward(&inp.x, &inp.logits).unwrap();
@@ -108,37 +167,75 @@ fn every_method_and_family_matches_the_f64_reference() {
                 let want = moe_f64(&inp.x, &topk, layer.method().operands().unwrap()).unwrap();
                 let err = rel_err(&got, &want);
                 let tol = same_operand_tol(c, DType::BF16);
-                assert!(err <= tol, "case {ci} {scheme} {family}: rel_err {err:.3e} > {tol:.3e}");
+                assert!(
+                    err <= tol,
+                    "case {ci} {scheme} {family}: rel_err {err:.3e} > {tol:.3e}"
+                );
                 let qerr = rel_err(&got, &exact);
-                eprintln!("case {ci} {scheme:>11} {family:>8}: rel_err {err:.2e} (tol {tol:.2e}) quant_err {qerr:.2e}");
-                let qtol = if scheme == QuantScheme::Unquantized { tol } else { QUANT_TOL };
-                assert!(qerr <= qtol, "case {ci} {scheme} {family}: quant_err {qerr:.3e} > {qtol:.3e}");
+                eprintln!(
+                    "case {ci} {scheme:>11} {family:>8}: rel_err {err:.2e} (tol {tol:.2e}) quant_err {qerr:.2e}"
+                );
+                let qtol = if scheme == QuantScheme::Unquantized {
+                    tol
+                } else {
+                    QUANT_TOL
+                };
+                assert!(
+                    qerr <= qtol,
+                    "case {ci} {scheme} {family}: quant_err {qerr:.3e} > {qtol:.3e}"
+                );
                 if c.m > 0 && scheme != QuantScheme::Unquantized {
                     // fp8 must actually have been applied: its error dominates the kernel's.
-                    assert!(qerr > err, "case {ci} {scheme} {family}: quant_err {qerr:.3e} <= rel_err {err:.3e}");
+                    assert!(
+                        qerr > err,
+                        "case {ci} {scheme} {family}: quant_err {qerr:.3e} <= rel_err {err:.3e}"
+                    );
                 }
                 outputs.push(got);
             }
             // The two families agree with each other as closely as each agrees with the reference.
             let want: Vec<f64> = outputs[1].iter().map(|&v| f64::from(v)).collect();
             let err = rel_err(&outputs[0], &want);
-            assert!(err <= 2.0 * same_operand_tol(c, DType::BF16), "case {ci} {scheme}: fused vs portable {err:.3e}");
+            assert!(
+                err <= 2.0 * same_operand_tol(c, DType::BF16),
+                "case {ci} {scheme}: fused vs portable {err:.3e}"
+            );
         }
     }
 }
 
 #[test]
 fn f32_activations_are_tight() {
-    let c = &Case { m: 9, e: 4, k: 160, n: 96, top_k: 2 };
+    let c = &Case {
+        m: 9,
+        e: 4,
+        k: 160,
+        n: 96,
+        top_k: 2,
+    };
     let inp = inputs(c, 7);
     let x = inp.x.to_dtype(DType::F32).unwrap();
     let topk = topk_softmax(&inp.logits, c.top_k, true).unwrap();
     for family in KernelFamily::ALL {
-        let experts = CheckpointExperts::Dense { w13: inp.w13.clone(), w2: inp.w2.clone() };
-        let layer =
-            FusedMoe::new(config(c), QuantScheme::Unquantized, experts, None, None, &switches_for(family), Device::Cpu)
-                .unwrap();
-        let got = layer.forward_routed(&x, &topk).unwrap().to_f32_vec().unwrap();
+        let experts = CheckpointExperts::Dense {
+            w13: inp.w13.clone(),
+            w2: inp.w2.clone(),
+        };
+        let layer = FusedMoe::new(
+            config(c),
+            QuantScheme::Unquantized,
+            experts,
+            None,
+            None,
+            &switches_for(family),
+            Device::Cpu,
+        )
+        .unwrap();
+        let got = layer
+            .forward_routed(&x, &topk)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
         let want = moe_f64(&x, &topk, layer.method().operands().unwrap()).unwrap();
         // f32 out: only accumulation error remains, ≤ (K+N)·2⁻²⁴.
         let tol = (c.k + c.n) as f64 * 2f64.powi(-24);
@@ -151,7 +248,13 @@ fn f32_activations_are_tight() {
 /// requantizes; the half that already had the max scale keeps its codes bit for bit.
 #[test]
 fn per_tensor_checkpoint_scales_are_merged() {
-    let c = &Case { m: 6, e: 3, k: 128, n: 64, top_k: 2 };
+    let c = &Case {
+        m: 6,
+        e: 3,
+        k: 128,
+        n: 64,
+        top_k: 2,
+    };
     let inp = inputs(c, 11);
     let (mut q13, mut s13) = (Vec::new(), Vec::new());
     for e in 0..c.e {
@@ -159,8 +262,14 @@ fn per_tensor_checkpoint_scales_are_merged() {
         let (gate, up) = expert.split_at(c.n * c.k);
         // Make w3 twice as large so its scale differs.
         let up: Vec<f32> = up.iter().map(|v| v * 2.0).collect();
-        let (qg, sg) = quant_fp8::quantize_per_tensor(&Tensor::from_vec(gate.to_vec(), [c.n, c.k], &Device::Cpu).unwrap()).unwrap();
-        let (qu, su) = quant_fp8::quantize_per_tensor(&Tensor::from_vec(up, [c.n, c.k], &Device::Cpu).unwrap()).unwrap();
+        let (qg, sg) = quant_fp8::quantize_per_tensor(
+            &Tensor::from_vec(gate.to_vec(), [c.n, c.k], &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let (qu, su) = quant_fp8::quantize_per_tensor(
+            &Tensor::from_vec(up, [c.n, c.k], &Device::Cpu).unwrap(),
+        )
+        .unwrap();
         let mut both = qg.to_f32_vec().unwrap();
         both.extend(qu.to_f32_vec().unwrap());
         q13.push(Tensor::from_f32(&both, [2 * c.n, c.k], DType::F8E4M3, &Device::Cpu).unwrap());
@@ -202,15 +311,28 @@ fn per_tensor_checkpoint_scales_are_merged() {
     for e in 0..c.e {
         assert_eq!(merged[e], s13[2 * e].max(s13[2 * e + 1]));
         // w3 had the larger scale: its codes are unchanged.
-        assert_eq!(&after[e * per + per / 2..(e + 1) * per], &before[e * per + per / 2..(e + 1) * per]);
+        assert_eq!(
+            &after[e * per + per / 2..(e + 1) * per],
+            &before[e * per + per / 2..(e + 1) * per]
+        );
         // w1 values survive requantization within one fp8 rounding (2⁻⁴ relative, or the subnormal step).
         for i in 0..per / 2 {
-            let (v0, v1) = (before[e * per + i] * s13[2 * e], after[e * per + i] * merged[e]);
-            assert!((v0 - v1).abs() <= v0.abs() * 0.0625 + merged[e] * 2f32.powi(-10), "{v0} vs {v1}");
+            let (v0, v1) = (
+                before[e * per + i] * s13[2 * e],
+                after[e * per + i] * merged[e],
+            );
+            assert!(
+                (v0 - v1).abs() <= v0.abs() * 0.0625 + merged[e] * 2f32.powi(-10),
+                "{v0} vs {v1}"
+            );
         }
     }
     let topk = topk_softmax(&inp.logits, c.top_k, true).unwrap();
-    let got = layer.forward_routed(&inp.x, &topk).unwrap().to_f32_vec().unwrap();
+    let got = layer
+        .forward_routed(&inp.x, &topk)
+        .unwrap()
+        .to_f32_vec()
+        .unwrap();
     let want = moe_f64(&inp.x, &topk, ops).unwrap();
     assert!(rel_err(&got, &want) <= same_operand_tol(c, DType::BF16));
 }
@@ -226,21 +348,37 @@ fn deepseek_style_layer_with_shared_expert() {
     let logits = Tensor::from_vec(randn(&mut rng, m * e, 1.0), [m, e], &cpu).unwrap();
     let bias = Tensor::from_vec(randn(&mut rng, e, 0.1), [e], &cpu).unwrap();
     let w = |rng: &mut ChaCha8Rng, d: [usize; 3], fan_in: usize| {
-        Tensor::from_f32(&randn(rng, d.iter().product(), 1.0 / (fan_in as f32).sqrt()), d, DType::BF16, &cpu).unwrap()
+        Tensor::from_f32(
+            &randn(rng, d.iter().product(), 1.0 / (fan_in as f32).sqrt()),
+            d,
+            DType::BF16,
+            &cpu,
+        )
+        .unwrap()
     };
     let (w13, w2) = (w(&mut rng, [e, 2 * n, k], k), w(&mut rng, [e, k, n], n));
     let (s13, s2) = (w(&mut rng, [1, 2 * ns, k], k), w(&mut rng, [1, k, ns], ns));
     let block = |t: &Tensor| quant_fp8::quantize_block(t, quant_fp8::FP8_BLOCK).unwrap();
     let ckpt = |a: &Tensor, b: &Tensor| {
         let ((q13, si13), (q2, si2)) = (block(a), block(b));
-        CheckpointExperts::Fp8Block { w13: q13, w13_scale_inv: si13, w2: q2, w2_scale_inv: si2 }
+        CheckpointExperts::Fp8Block {
+            w13: q13,
+            w13_scale_inv: si13,
+            w2: q2,
+            w2_scale_inv: si2,
+        }
     };
     let cfg = MoeConfig {
         num_experts: e,
         top_k: 4,
         hidden: k,
         intermediate: n,
-        routing: Routing::GroupedSigmoid { n_group: 4, topk_group: 2, renormalize: true, routed_scaling_factor: 2.5 },
+        routing: Routing::GroupedSigmoid {
+            n_group: 4,
+            topk_group: 2,
+            renormalize: true,
+            routed_scaling_factor: 2.5,
+        },
         shared_intermediate: Some(ns),
     };
     let mut outs = Vec::new();
@@ -267,15 +405,24 @@ fn deepseek_style_layer_with_shared_expert() {
         let shared_ops = {
             let ((q13, si13), (q2, si2)) = (block(&s13), block(&s2));
             ExpertOperands {
-                w13: fmoe_kernels::moe_gemm::WeightOperand::Fp8Block { q: q13, scale_inv: si13 },
-                w2: fmoe_kernels::moe_gemm::WeightOperand::Fp8Block { q: q2, scale_inv: si2 },
+                w13: fmoe_kernels::moe_gemm::WeightOperand::Fp8Block {
+                    q: q13,
+                    scale_inv: si13,
+                },
+                w2: fmoe_kernels::moe_gemm::WeightOperand::Fp8Block {
+                    q: q2,
+                    scale_inv: si2,
+                },
                 act_quant: fmoe_kernels::moe_gemm::ActQuant::Fp8Group,
             }
         };
         let shared = moe_f64(&x, &all, &shared_ops).unwrap();
         let want: Vec<f64> = routed.iter().zip(&shared).map(|(a, b)| a + b).collect();
         let err = rel_err(&got, &want);
-        assert!(err <= 2.0 * DType::BF16.unit_roundoff() + 4e-3, "{family}: {err:.3e}");
+        assert!(
+            err <= 2.0 * DType::BF16.unit_roundoff() + 4e-3,
+            "{family}: {err:.3e}"
+        );
         outs.push(got);
     }
     assert_ne!(outs[0], vec![0.0; m * k]);

@@ -32,7 +32,11 @@ pub struct MoeArgs {
     device: Device,
     /// Shapes, comma-separated: mixtral-small, deepseek-small (defaults, seconds on 2 cores) or the
     /// real mixtral-8x7b, mixtral-8x22b, deepseek-v3.
-    #[arg(long, value_delimiter = ',', default_value = "mixtral-small,deepseek-small")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "mixtral-small,deepseek-small"
+    )]
     shape: Vec<String>,
     /// Token counts M, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
@@ -58,7 +62,10 @@ pub struct MoeArgs {
 }
 
 fn parse_family(s: &str) -> Result<KernelFamily, String> {
-    KernelFamily::ALL.into_iter().find(|f| f.as_str() == s).ok_or_else(|| format!("unknown kernel `{s}` (fused or portable)"))
+    KernelFamily::ALL
+        .into_iter()
+        .find(|f| f.as_str() == s)
+        .ok_or_else(|| format!("unknown kernel `{s}` (fused or portable)"))
 }
 
 /// A benchmark shape: one MoE layer.
@@ -71,11 +78,41 @@ struct Shape {
 }
 
 const SHAPES: &[Shape] = &[
-    Shape { name: "mixtral-small", experts: 8, hidden: 512, intermediate: 1792, top_k: 2 },
-    Shape { name: "deepseek-small", experts: 32, hidden: 448, intermediate: 160, top_k: 8 },
-    Shape { name: "mixtral-8x7b", experts: 8, hidden: 4096, intermediate: 14336, top_k: 2 },
-    Shape { name: "mixtral-8x22b", experts: 8, hidden: 6144, intermediate: 16384, top_k: 2 },
-    Shape { name: "deepseek-v3", experts: 256, hidden: 7168, intermediate: 2048, top_k: 8 },
+    Shape {
+        name: "mixtral-small",
+        experts: 8,
+        hidden: 512,
+        intermediate: 1792,
+        top_k: 2,
+    },
+    Shape {
+        name: "deepseek-small",
+        experts: 32,
+        hidden: 448,
+        intermediate: 160,
+        top_k: 8,
+    },
+    Shape {
+        name: "mixtral-8x7b",
+        experts: 8,
+        hidden: 4096,
+        intermediate: 14336,
+        top_k: 2,
+    },
+    Shape {
+        name: "mixtral-8x22b",
+        experts: 8,
+        hidden: 6144,
+        intermediate: 16384,
+        top_k: 2,
+    },
+    Shape {
+        name: "deepseek-v3",
+        experts: 256,
+        hidden: 7168,
+        intermediate: 2048,
+        top_k: 8,
+    },
 ];
 
 #[derive(Serialize)]
@@ -120,17 +157,30 @@ pub fn run(b: Bench) -> Result<()> {
     if args.tokens.is_empty() {
         bail!("--tokens needs at least one token count");
     }
-    let methods = if args.method.is_empty() { QuantScheme::ALL.to_vec() } else { args.method.clone() };
-    let families = if args.kernel.is_empty() { KernelFamily::ALL.to_vec() } else { args.kernel.clone() };
+    let methods = if args.method.is_empty() {
+        QuantScheme::ALL.to_vec()
+    } else {
+        args.method.clone()
+    };
+    let families = if args.kernel.is_empty() {
+        KernelFamily::ALL.to_vec()
+    } else {
+        args.kernel.clone()
+    };
     let mut json = match &args.json {
         Some(p) => Some(
-            OpenOptions::new().create(true).append(true).open(p).with_context(|| format!("opening {}", p.display()))?,
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .with_context(|| format!("opening {}", p.display()))?,
         ),
         None => None,
     };
     let total = shapes.len() * methods.len() * args.tokens.len() * families.len();
     let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]").unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let date = today();
     let mut rows = Vec::new();
@@ -153,8 +203,15 @@ pub fn run(b: Bench) -> Result<()> {
             let layers = families
                 .iter()
                 .map(|&f| {
-                    let sw = FusedSwitches { use_fused: f == KernelFamily::Fused, use_fused_moe: true, use_fused_fp8_block_scaled_moe: true };
-                    let experts = CheckpointExperts::Dense { w13: w13.clone(), w2: w2.clone() };
+                    let sw = FusedSwitches {
+                        use_fused: f == KernelFamily::Fused,
+                        use_fused_moe: true,
+                        use_fused_fp8_block_scaled_moe: true,
+                    };
+                    let experts = CheckpointExperts::Dense {
+                        w13: w13.clone(),
+                        w2: w2.clone(),
+                    };
                     FusedMoe::new(config.clone(), scheme, experts, None, None, &sw, device)
                 })
                 .collect::<fmoe_moe::Result<Vec<_>>>()?;
@@ -168,7 +225,10 @@ pub fn run(b: Bench) -> Result<()> {
                     None
                 } else {
                     let ops = layers[0].method().operands()?;
-                    Some((moe_f64(&x, &topk, ops)?, moe_f64(&x, &topk, &ExpertOperands::unquantized(&w13, &w2))?))
+                    Some((
+                        moe_f64(&x, &topk, ops)?,
+                        moe_f64(&x, &topk, &ExpertOperands::unquantized(&w13, &w2))?,
+                    ))
                 };
                 let mut portable_ms = None;
                 let mut fused_rows = Vec::new();
@@ -182,7 +242,8 @@ pub fn run(b: Bench) -> Result<()> {
                         None => (None, None),
                     };
                     let ops = layer.method().operands()?;
-                    let bytes = touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * m * k * 2;
+                    let bytes =
+                        touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * m * k * 2;
                     let flops = 2.0 * (m * shape.top_k) as f64 * 3.0 * (n * k) as f64;
                     if family == KernelFamily::Portable {
                         portable_ms = Some(ms);
@@ -233,7 +294,12 @@ pub fn run(b: Bench) -> Result<()> {
 }
 
 /// Median wall time of `forward_routed` (routing excluded, as in the peers' script).
-fn time_layer(layer: &FusedMoe, x: &Tensor, topk: &TopK, min_time: f64) -> Result<(f64, usize, Tensor)> {
+fn time_layer(
+    layer: &FusedMoe,
+    x: &Tensor,
+    topk: &TopK,
+    min_time: f64,
+) -> Result<(f64, usize, Tensor)> {
     let y = layer.forward_routed(x, topk)?; // warm-up, and the output we check
     let mut times = Vec::new();
     let start = Instant::now();
@@ -246,16 +312,33 @@ fn time_layer(layer: &FusedMoe, x: &Tensor, topk: &TopK, min_time: f64) -> Resul
     Ok((times[times.len() / 2], times.len(), y))
 }
 
-fn randn_tensor<const R: usize>(rng: &mut ChaCha8Rng, dims: [usize; R], scale: f32) -> Result<Tensor> {
+fn randn_tensor<const R: usize>(
+    rng: &mut ChaCha8Rng,
+    dims: [usize; R],
+    scale: f32,
+) -> Result<Tensor> {
     let n = dims.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).map(|v: f32| v * scale).collect();
+    let v: Vec<f32> = (0..n)
+        .map(|_| StandardNormal.sample(rng))
+        .map(|v: f32| v * scale)
+        .collect();
     Ok(Tensor::from_f32(&v, dims, DType::BF16, &Device::Cpu)?)
 }
 
 fn print_table(rows: &[Row]) {
     println!(
         "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
-        "shape", "method", "kernel", "M", "exp", "ms", "GB/s", "GFLOP/s", "rel_err", "quant_err", "speedup"
+        "shape",
+        "method",
+        "kernel",
+        "M",
+        "exp",
+        "ms",
+        "GB/s",
+        "GFLOP/s",
+        "rel_err",
+        "quant_err",
+        "speedup"
     );
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$e}"));
     for r in rows {
@@ -271,14 +354,17 @@ fn print_table(rows: &[Row]) {
             r.gflop_per_s,
             opt(r.rel_err, 2),
             opt(r.quant_err, 2),
-            r.speedup_vs_portable.map_or("-".to_string(), |s| format!("{s:.2}x")),
+            r.speedup_vs_portable
+                .map_or("-".to_string(), |s| format!("{s:.2}x")),
         );
     }
 }
 
 /// UTC date as YYYY-MM-DD, from the system clock (civil-from-days).
 fn today() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let z = (secs / 86_400) as i64 + 719_468;
     let era = z.div_euclid(146_097);
     let doe = z - era * 146_097;

@@ -8,6 +8,8 @@ use fmoe_core::Device;
 pub fn require_device(device: Device) -> Result<Device> {
     match device {
         Device::Cpu => Ok(device),
-        Device::Cuda(_) => bail!("no CUDA device/driver found: this build of fmoe has no CUDA backend; use --device cpu"),
+        Device::Cuda(_) => bail!(
+            "no CUDA device/driver found: this build of fmoe has no CUDA backend; use --device cpu"
+        ),
     }
 }

@@ -4,13 +4,20 @@ use super::{AlignedRoutes, OP};
 use crate::{Error, Result};
 
 /// Counting sort by expert; stable, so routes keep ascending order inside each expert.
-pub(super) fn align_routes(ids: &[u32], num_experts: usize, block_m: usize) -> Result<AlignedRoutes> {
+pub(super) fn align_routes(
+    ids: &[u32],
+    num_experts: usize,
+    block_m: usize,
+) -> Result<AlignedRoutes> {
     let num_routes = ids.len();
     let mut counts = vec![0u32; num_experts];
     for (route, &id) in ids.iter().enumerate() {
-        let slot = counts
-            .get_mut(id as usize)
-            .ok_or(Error::ExpertId { op: OP, id, route, experts: num_experts })?;
+        let slot = counts.get_mut(id as usize).ok_or(Error::ExpertId {
+            op: OP,
+            id,
+            route,
+            experts: num_experts,
+        })?;
         *slot += 1;
     }
     let mut offsets = Vec::with_capacity(num_experts + 1);
@@ -29,7 +36,10 @@ pub(super) fn align_routes(ids: &[u32], num_experts: usize, block_m: usize) -> R
     }
     let mut block_experts = Vec::with_capacity(total / block_m);
     for (e, w) in offsets.windows(2).enumerate() {
-        block_experts.extend(std::iter::repeat_n(e as u32, (w[1] - w[0]) as usize / block_m));
+        block_experts.extend(std::iter::repeat_n(
+            e as u32,
+            (w[1] - w[0]) as usize / block_m,
+        ));
     }
     let cpu = Device::Cpu;
     Ok(AlignedRoutes {
@@ -54,15 +64,24 @@ mod tests {
         let sorted = a.sorted_routes.cpu_slice::<u32>("t", "s").unwrap();
         // expert 0: routes 1,2,5 (+1 pad); expert 1: 3 (+1 pad); expert 2: 0,4; expert 3: none.
         assert_eq!(sorted, &[1, 2, 5, 6, 3, 6, 0, 4]);
-        assert_eq!(a.block_experts.cpu_slice::<u32>("t", "b").unwrap(), &[0, 0, 1, 2]);
-        assert_eq!(a.expert_offsets.cpu_slice::<u32>("t", "o").unwrap(), &[0, 4, 6, 8, 8]);
+        assert_eq!(
+            a.block_experts.cpu_slice::<u32>("t", "b").unwrap(),
+            &[0, 0, 1, 2]
+        );
+        assert_eq!(
+            a.expert_offsets.cpu_slice::<u32>("t", "o").unwrap(),
+            &[0, 4, 6, 8, 8]
+        );
         assert_eq!(a.experts_touched().unwrap(), 3);
     }
 
     #[test]
     fn out_of_range_expert_is_an_error() {
         let err = align_routes(&[0, 9], 4, 16).unwrap_err().to_string();
-        assert!(err.contains("expert id 9") && err.contains("4 experts"), "{err}");
+        assert!(
+            err.contains("expert id 9") && err.contains("4 experts"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -43,13 +43,24 @@ impl AlignedRoutes {
 }
 
 /// Sorts the routes of `topk_ids` (u32 [M, top_k]) by expert, padding each run to `block_m`.
-pub fn align_routes(topk_ids: &Tensor, num_experts: usize, block_m: usize) -> Result<AlignedRoutes> {
+pub fn align_routes(
+    topk_ids: &Tensor,
+    num_experts: usize,
+    block_m: usize,
+) -> Result<AlignedRoutes> {
     topk_ids.expect_rank(OP, "topk_ids", 2, "[tokens, top_k]")?;
     topk_ids.expect_dtype(OP, "topk_ids", &[DType::U32])?;
     if block_m == 0 || num_experts == 0 {
-        return Err(Error::invalid(OP, format!("block_m ({block_m}) and num_experts ({num_experts}) must be positive")));
+        return Err(Error::invalid(
+            OP,
+            format!("block_m ({block_m}) and num_experts ({num_experts}) must be positive"),
+        ));
     }
     match topk_ids.storage() {
-        Storage::Cpu(_) => cpu::align_routes(topk_ids.cpu_slice::<u32>(OP, "topk_ids")?, num_experts, block_m),
+        Storage::Cpu(_) => cpu::align_routes(
+            topk_ids.cpu_slice::<u32>(OP, "topk_ids")?,
+            num_experts,
+            block_m,
+        ),
     }
 }

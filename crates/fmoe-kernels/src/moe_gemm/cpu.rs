@@ -7,9 +7,9 @@ use rayon::prelude::*;
 
 use super::operand::{ActOperand, QBLOCK, WeightOperand};
 use super::simd;
+use crate::Result;
 use crate::moe_align::AlignedRoutes;
 use crate::quant_fp8::cpu::fp8_to_f32_lut;
-use crate::Result;
 
 const OP1: &str = "moe_gemm::gemm1_silu_mul";
 const OP2: &str = "moe_gemm::gemm2_weighted_sum";
@@ -49,9 +49,15 @@ impl ActRows {
         let scale = match a {
             ActOperand::Plain(_) => ActScale::One,
             ActOperand::Fp8PerTensor { scale, .. } => ActScale::Tensor(*scale),
-            ActOperand::Fp8Group { scales, .. } => ActScale::Group(scales.cpu_slice::<f32>(op, "activation_scales")?.to_vec()),
+            ActOperand::Fp8Group { scales, .. } => {
+                ActScale::Group(scales.cpu_slice::<f32>(op, "activation_scales")?.to_vec())
+            }
         };
-        Ok(ActRows { data: values, cols, scale })
+        Ok(ActRows {
+            data: values,
+            cols,
+            scale,
+        })
     }
 
     pub fn row(&self, r: usize) -> &[f32] {
@@ -123,6 +129,7 @@ pub(super) fn convert_into(s: &CpuStorage, start: usize, dst: &mut [f32]) {
 /// Expert weights [E, rows, cols] on the host with their scales.
 pub(super) struct WeightRows<'a> {
     pub storage: &'a CpuStorage,
+    pub experts: usize,
     pub rows: usize,
     pub cols: usize,
     pub scale: WeightScale<'a>,
@@ -138,19 +145,24 @@ pub(super) enum WeightScale<'a> {
 impl<'a> WeightRows<'a> {
     pub fn new(w: &'a WeightOperand, op: &'static str, name: &str) -> Result<WeightRows<'a>> {
         let d = w.data().dims();
-        let (rows, cols) = (d[1], d[2]);
+        let (experts, rows, cols) = (d[0], d[1], d[2]);
         let storage = w.data().cpu_storage(op, name)?;
         let scale = match w {
             WeightOperand::Plain(_) => WeightScale::One,
-            WeightOperand::Fp8PerTensor { scales, .. } => WeightScale::PerExpert(scales.cpu_slice::<f32>(op, name)?),
-            WeightOperand::Fp8Block { scale_inv, .. } => WeightScale::Block(scale_inv.cpu_slice::<f32>(op, name)?),
+            WeightOperand::Fp8PerTensor { scales, .. } => {
+                WeightScale::PerExpert(scales.cpu_slice::<f32>(op, name)?)
+            }
+            WeightOperand::Fp8Block { scale_inv, .. } => {
+                WeightScale::Block(scale_inv.cpu_slice::<f32>(op, name)?)
+            }
         };
-        Ok(WeightRows { storage, rows, cols, scale })
-    }
-
-    pub fn storage_experts(&self) -> usize {
-        let per = self.rows * self.cols;
-        if per == 0 { 0 } else { storage_len(self.storage) / per }
+        Ok(WeightRows {
+            storage,
+            experts,
+            rows,
+            cols,
+            scale,
+        })
     }
 
     /// Converts rows `rows` of expert `e` into `dst` ([rows.len(), cols], codes as f32).
@@ -159,7 +171,11 @@ impl<'a> WeightRows<'a> {
         for r in rows {
             let at = dst.len();
             dst.resize(at + self.cols, 0.0);
-            convert_into(self.storage, (e * self.rows + r) * self.cols, &mut dst[at..]);
+            convert_into(
+                self.storage,
+                (e * self.rows + r) * self.cols,
+                &mut dst[at..],
+            );
         }
     }
 
@@ -174,7 +190,9 @@ impl<'a> WeightRows<'a> {
 
     /// Block scales of row `r` of expert `e` ([ceil(cols/128)]).
     fn block_scales(&self, e: usize, r: usize) -> &[f32] {
-        let WeightScale::Block(s) = self.scale else { return &[] };
+        let WeightScale::Block(s) = self.scale else {
+            return &[];
+        };
         let (rb, cb) = (self.rows.div_ceil(QBLOCK), self.cols.div_ceil(QBLOCK));
         let at = (e * rb + r / QBLOCK) * cb;
         &s[at..at + cb]
@@ -184,7 +202,15 @@ impl<'a> WeightRows<'a> {
 /// out[i * nw + j] = value of Σ_c A[a_rows[i], c] · W[j, c] for converted weight rows `w`
 /// (original row ids `w_ids`, needed for block scales), expert `e`. Routes go two at a time and
 /// weight rows four at a time through the 2×4 micro-kernel; short edges repeat a row and drop it.
-fn tile(act: &ActRows, a_rows: &[usize], wr: &WeightRows, e: usize, w: &[f32], w_ids: &[usize], out: &mut [f32]) {
+fn tile(
+    act: &ActRows,
+    a_rows: &[usize],
+    wr: &WeightRows,
+    e: usize,
+    w: &[f32],
+    w_ids: &[usize],
+    out: &mut [f32],
+) {
     let cols = act.cols;
     let nw = w_ids.len();
     let groups = act.groups();
@@ -245,7 +271,9 @@ impl<'a> ExpertRuns<'a> {
     fn new(routes: &'a AlignedRoutes, op: &'static str) -> Result<Self> {
         Ok(ExpertRuns {
             sorted: routes.sorted_routes.cpu_slice::<u32>(op, "sorted_routes")?,
-            offsets: routes.expert_offsets.cpu_slice::<u32>(op, "expert_offsets")?,
+            offsets: routes
+                .expert_offsets
+                .cpu_slice::<u32>(op, "expert_offsets")?,
             counts: routes.expert_counts.cpu_slice::<u32>(op, "expert_counts")?,
         })
     }
@@ -255,7 +283,12 @@ impl<'a> ExpertRuns<'a> {
     }
 }
 
-pub(super) fn gemm1_silu_mul(a: &ActOperand, routes: &AlignedRoutes, top_k: usize, w13: &WeightOperand) -> Result<Tensor> {
+pub(super) fn gemm1_silu_mul(
+    a: &ActOperand,
+    routes: &AlignedRoutes,
+    top_k: usize,
+    w13: &WeightOperand,
+) -> Result<Tensor> {
     let act = ActRows::from_operand(a, OP1)?;
     let w = WeightRows::new(w13, OP1, "w13")?;
     let runs = ExpertRuns::new(routes, OP1)?;
@@ -297,7 +330,12 @@ pub(super) fn gemm1_silu_mul(a: &ActOperand, routes: &AlignedRoutes, top_k: usiz
     Ok(Tensor::from_vec(h, [routes.num_routes, n], &Device::Cpu)?)
 }
 
-pub(super) fn gemm2_weighted_sum(h: &ActOperand, routes: &AlignedRoutes, topk_weights: &Tensor, w2: &WeightOperand) -> Result<Tensor> {
+pub(super) fn gemm2_weighted_sum(
+    h: &ActOperand,
+    routes: &AlignedRoutes,
+    topk_weights: &Tensor,
+    w2: &WeightOperand,
+) -> Result<Tensor> {
     let act = ActRows::from_operand(h, OP2)?;
     let w = WeightRows::new(w2, OP2, "w2")?;
     let runs = ExpertRuns::new(routes, OP2)?;

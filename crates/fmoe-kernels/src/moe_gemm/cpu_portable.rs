@@ -46,9 +46,18 @@ pub(super) fn expert_loop(
     let weights = topk_weights.cpu_slice::<f32>(OP, "topk_weights")?;
     let (m, top_k) = (topk_ids.dims()[0], topk_ids.dims()[1]);
     let (n, k) = (w2r.cols, w2r.rows);
-    let num_experts = w13.storage_experts();
-    if let Some((route, &id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= num_experts) {
-        return Err(crate::Error::ExpertId { op: OP, id, route, experts: num_experts });
+    let num_experts = w13.experts;
+    if let Some((route, &id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, id)| **id as usize >= num_experts)
+    {
+        return Err(crate::Error::ExpertId {
+            op: OP,
+            id,
+            route,
+            experts: num_experts,
+        });
     }
 
     // Pass 1: GEMM1 and the activation, expert by expert.

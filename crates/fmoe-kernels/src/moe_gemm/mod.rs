@@ -30,11 +30,19 @@ use crate::moe_align::AlignedRoutes;
 use crate::{Error, Result};
 
 /// GEMM1 with SiLU⊙mul fused: returns h, f32 [num_routes, N], rows in route order (t * top_k + j).
-pub fn gemm1_silu_mul(a: &ActOperand, routes: &AlignedRoutes, top_k: usize, w13: &WeightOperand) -> Result<Tensor> {
+pub fn gemm1_silu_mul(
+    a: &ActOperand,
+    routes: &AlignedRoutes,
+    top_k: usize,
+    w13: &WeightOperand,
+) -> Result<Tensor> {
     const OP: &str = "moe_gemm::gemm1_silu_mul";
     let (e, two_n, k) = w13.dims(OP, "w13")?;
     if two_n % 2 != 0 {
-        return Err(Error::invalid(OP, format!("w13 has {two_n} rows; it must stack gate and up rows (2N)")));
+        return Err(Error::invalid(
+            OP,
+            format!("w13 has {two_n} rows; it must stack gate and up rows (2N)"),
+        ));
     }
     let rows = a.check(OP, "a1", k)?;
     check_routes(OP, routes, rows * top_k, e)?;
@@ -59,7 +67,11 @@ pub fn gemm2_weighted_sum(
     if dims[0] * dims[1] != rows {
         return Err(Error::invalid(
             OP,
-            format!("h has {rows} route rows but topk_weights {:?} describes {}", dims, dims[0] * dims[1]),
+            format!(
+                "h has {rows} route rows but topk_weights {:?} describes {}",
+                dims,
+                dims[0] * dims[1]
+            ),
         ));
     }
     check_routes(OP, routes, rows, e)?;
@@ -85,7 +97,9 @@ pub fn portable_expert_loop(
     if e2 != e || k2 != k || two_n != 2 * n {
         return Err(Error::invalid(
             OP,
-            format!("w13 is [{e}, {two_n}, {k}] but w2 is [{e2}, {k2}, {n}]; expected w2 = [E, K, N] with 2N = {two_n}"),
+            format!(
+                "w13 is [{e}, {two_n}, {k}] but w2 is [{e2}, {k2}, {n}]; expected w2 = [E, K, N] with 2N = {two_n}"
+            ),
         ));
     }
     let m = a1.check(OP, "a1", k)?;
@@ -94,14 +108,22 @@ pub fn portable_expert_loop(
     topk_weights.expect_dims(OP, "topk_weights", ids)?;
     topk_weights.expect_dtype(OP, "topk_weights", &[DType::F32])?;
     if ids[0] != m {
-        return Err(Error::invalid(OP, format!("a1 has {m} rows but topk_ids has {}", ids[0])));
+        return Err(Error::invalid(
+            OP,
+            format!("a1 has {m} rows but topk_ids has {}", ids[0]),
+        ));
     }
     match a1.storage() {
         Storage::Cpu(_) => cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant),
     }
 }
 
-fn check_routes(op: &'static str, routes: &AlignedRoutes, num_routes: usize, experts: usize) -> Result<()> {
+fn check_routes(
+    op: &'static str,
+    routes: &AlignedRoutes,
+    num_routes: usize,
+    experts: usize,
+) -> Result<()> {
     if routes.num_routes != num_routes || routes.num_experts != experts {
         return Err(Error::invalid(
             op,

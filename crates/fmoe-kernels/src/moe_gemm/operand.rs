@@ -46,7 +46,9 @@ impl ActOperand {
 
     pub fn data(&self) -> &Tensor {
         match self {
-            ActOperand::Plain(t) | ActOperand::Fp8PerTensor { q: t, .. } | ActOperand::Fp8Group { q: t, .. } => t,
+            ActOperand::Plain(t)
+            | ActOperand::Fp8PerTensor { q: t, .. }
+            | ActOperand::Fp8Group { q: t, .. } => t,
         }
     }
 
@@ -75,7 +77,12 @@ impl ActOperand {
             ActOperand::Fp8PerTensor { q, scale } => {
                 q.expect_dtype(op, name, &[DType::F8E4M3])?;
                 if !(scale.is_finite() && *scale > 0.0) {
-                    return Err(Error::invalid(op, format!("activation scale of `{name}` is {scale}; it must be finite and positive")));
+                    return Err(Error::invalid(
+                        op,
+                        format!(
+                            "activation scale of `{name}` is {scale}; it must be finite and positive"
+                        ),
+                    ));
                 }
             }
             ActOperand::Fp8Group { q, scales } => {

@@ -93,7 +93,11 @@ mod tests {
     #[test]
     fn micro_kernels_match_a_scalar_loop() {
         for n in [0usize, 1, 7, 8, 9, 128, 131] {
-            let v = |s: usize| (0..n).map(|c| ((c * 7 + s * 13) % 11) as f32 - 5.0).collect::<Vec<f32>>();
+            let v = |s: usize| {
+                (0..n)
+                    .map(|c| ((c * 7 + s * 13) % 11) as f32 - 5.0)
+                    .collect::<Vec<f32>>()
+            };
             let (a0, a1, w) = (v(0), v(1), [v(2), v(3), v(4), v(5)]);
             let d = dot_2x4(&a0, &a1, [&w[0], &w[1], &w[2], &w[3]]);
             for j in 0..4 {

@@ -24,12 +24,15 @@ impl Fp8MoeMethod {
         experts: CheckpointExperts,
         (e, k, n): (usize, usize, usize),
     ) -> Result<Self> {
-        let fits = match (&experts, scheme) {
-            (CheckpointExperts::Dense { .. }, _) => true,
-            (CheckpointExperts::Fp8PerTensor { .. }, QuantScheme::Fp8PerTensor) => true,
-            (CheckpointExperts::Fp8Block { .. }, QuantScheme::Fp8Block) => true,
-            _ => false,
-        };
+        let fits = matches!(
+            (&experts, scheme),
+            (CheckpointExperts::Dense { .. }, _)
+                | (
+                    CheckpointExperts::Fp8PerTensor { .. },
+                    QuantScheme::Fp8PerTensor
+                )
+                | (CheckpointExperts::Fp8Block { .. }, QuantScheme::Fp8Block)
+        );
         if !fits || scheme == QuantScheme::Unquantized {
             return Err(Error::Weights {
                 method: NAME,
@@ -44,7 +47,11 @@ impl Fp8MoeMethod {
         };
         w13.expect_dtype(NAME, "w13", allowed)?;
         w2.expect_dtype(NAME, "w2", allowed)?;
-        Ok(Fp8MoeMethod { scheme, checkpoint: Some(experts), operands: None })
+        Ok(Fp8MoeMethod {
+            scheme,
+            checkpoint: Some(experts),
+            operands: None,
+        })
     }
 }
 
@@ -58,28 +65,63 @@ impl MoeMethod for Fp8MoeMethod {
     /// Dense weights are quantized here (online quantization). The CPU kernels read the resulting
     /// row-major layout directly.
     fn process_weights_after_loading(&mut self, _kernel: KernelFamily) -> Result<()> {
-        let Some(ckpt) = self.checkpoint.take() else { return Ok(()) };
+        let Some(ckpt) = self.checkpoint.take() else {
+            return Ok(());
+        };
         let (w13, w2, act_quant) = match (ckpt, self.scheme) {
-            (CheckpointExperts::Dense { w13, w2 }, QuantScheme::Fp8PerTensor) => {
-                (quantize_per_expert(&w13)?, quantize_per_expert(&w2)?, ActQuant::Fp8PerTensor)
-            }
+            (CheckpointExperts::Dense { w13, w2 }, QuantScheme::Fp8PerTensor) => (
+                quantize_per_expert(&w13)?,
+                quantize_per_expert(&w2)?,
+                ActQuant::Fp8PerTensor,
+            ),
             (CheckpointExperts::Dense { w13, w2 }, _) => {
                 let (q13, s13) = quant_fp8::quantize_block(&w13, FP8_BLOCK)?;
                 let (q2, s2) = quant_fp8::quantize_block(&w2, FP8_BLOCK)?;
                 (
-                    WeightOperand::Fp8Block { q: q13, scale_inv: s13 },
-                    WeightOperand::Fp8Block { q: q2, scale_inv: s2 },
+                    WeightOperand::Fp8Block {
+                        q: q13,
+                        scale_inv: s13,
+                    },
+                    WeightOperand::Fp8Block {
+                        q: q2,
+                        scale_inv: s2,
+                    },
                     ActQuant::Fp8Group,
                 )
             }
-            (CheckpointExperts::Fp8PerTensor { w13, w13_scale, w2, w2_scale }, _) => (
+            (
+                CheckpointExperts::Fp8PerTensor {
+                    w13,
+                    w13_scale,
+                    w2,
+                    w2_scale,
+                },
+                _,
+            ) => (
                 merge_w13_scales(&w13, &w13_scale)?,
-                WeightOperand::Fp8PerTensor { q: w2, scales: w2_scale },
+                WeightOperand::Fp8PerTensor {
+                    q: w2,
+                    scales: w2_scale,
+                },
                 ActQuant::Fp8PerTensor,
             ),
-            (CheckpointExperts::Fp8Block { w13, w13_scale_inv, w2, w2_scale_inv }, _) => (
-                WeightOperand::Fp8Block { q: w13, scale_inv: w13_scale_inv },
-                WeightOperand::Fp8Block { q: w2, scale_inv: w2_scale_inv },
+            (
+                CheckpointExperts::Fp8Block {
+                    w13,
+                    w13_scale_inv,
+                    w2,
+                    w2_scale_inv,
+                },
+                _,
+            ) => (
+                WeightOperand::Fp8Block {
+                    q: w13,
+                    scale_inv: w13_scale_inv,
+                },
+                WeightOperand::Fp8Block {
+                    q: w2,
+                    scale_inv: w2_scale_inv,
+                },
                 ActQuant::Fp8Group,
             ),
         };
@@ -104,7 +146,10 @@ fn quantize_per_expert(w: &Tensor) -> Result<WeightOperand> {
         qs.push(q);
         scales.extend(s.to_f32_vec()?);
     }
-    Ok(WeightOperand::Fp8PerTensor { q: Tensor::stack0(&qs)?, scales: Tensor::from_vec(scales, [e], &Device::Cpu)? })
+    Ok(WeightOperand::Fp8PerTensor {
+        q: Tensor::stack0(&qs)?,
+        scales: Tensor::from_vec(scales, [e], &Device::Cpu)?,
+    })
 }
 
 /// w13 scales [E] are used as is; [E, 2] (w1, w3) are merged: both halves are requantized to the
@@ -113,7 +158,10 @@ fn merge_w13_scales(w13: &Tensor, scale: &Tensor) -> Result<WeightOperand> {
     let (e, two_n) = (w13.dims()[0], w13.dims()[1]);
     scale.expect_dtype(NAME, "w13_scale", &[DType::F32])?;
     if scale.dims() == [e] {
-        return Ok(WeightOperand::Fp8PerTensor { q: w13.clone(), scales: scale.clone() });
+        return Ok(WeightOperand::Fp8PerTensor {
+            q: w13.clone(),
+            scales: scale.clone(),
+        });
     }
     if scale.dims() != [e, 2] {
         return Err(fmoe_kernels::Error::ScaleShape {
@@ -131,7 +179,9 @@ fn merge_w13_scales(w13: &Tensor, scale: &Tensor) -> Result<WeightOperand> {
         if !(s1.is_finite() && s1 > 0.0 && s3.is_finite() && s3 > 0.0) {
             return Err(Error::Weights {
                 method: NAME,
-                msg: format!("w13_scale of expert {i} is ({s1}, {s3}); scales must be finite and positive"),
+                msg: format!(
+                    "w13_scale of expert {i} is ({s1}, {s3}); scales must be finite and positive"
+                ),
             });
         }
         let target = s1.max(s3);
@@ -140,8 +190,14 @@ fn merge_w13_scales(w13: &Tensor, scale: &Tensor) -> Result<WeightOperand> {
         values[..half].iter_mut().for_each(|v| *v *= s1);
         values[half..].iter_mut().for_each(|v| *v *= s3);
         let dims = [two_n, w13.dims()[2]];
-        qs.push(quant_fp8::quantize_with_scale(&Tensor::from_vec(values, dims, &Device::Cpu)?, target)?);
+        qs.push(quant_fp8::quantize_with_scale(
+            &Tensor::from_vec(values, dims, &Device::Cpu)?,
+            target,
+        )?);
         merged.push(target);
     }
-    Ok(WeightOperand::Fp8PerTensor { q: Tensor::stack0(&qs)?, scales: Tensor::from_vec(merged, [e], &Device::Cpu)? })
+    Ok(WeightOperand::Fp8PerTensor {
+        q: Tensor::stack0(&qs)?,
+        scales: Tensor::from_vec(merged, [e], &Device::Cpu)?,
+    })
 }

@@ -20,10 +20,20 @@ pub enum CheckpointExperts {
     Dense { w13: Tensor, w2: Tensor },
     /// e4m3 with per-tensor scales: `w13_scale` is [E] or [E, 2] (separate w1 and w3 scales, as
     /// Mixtral fp8 checkpoints store them); `w2_scale` is [E].
-    Fp8PerTensor { w13: Tensor, w13_scale: Tensor, w2: Tensor, w2_scale: Tensor },
+    Fp8PerTensor {
+        w13: Tensor,
+        w13_scale: Tensor,
+        w2: Tensor,
+        w2_scale: Tensor,
+    },
     /// e4m3 in 128×128 blocks with DeepSeek-V3's `weight_scale_inv` layout
     /// [E, ceil(rows/128), ceil(cols/128)].
-    Fp8Block { w13: Tensor, w13_scale_inv: Tensor, w2: Tensor, w2_scale_inv: Tensor },
+    Fp8Block {
+        w13: Tensor,
+        w13_scale_inv: Tensor,
+        w2: Tensor,
+        w2_scale_inv: Tensor,
+    },
 }
 
 impl CheckpointExperts {
@@ -50,7 +60,10 @@ impl CheckpointExperts {
             if t.dims() != want {
                 return Err(Error::Weights {
                     method,
-                    msg: format!("expert weight `{name}` has shape {}, expected {want:?}", t.shape()),
+                    msg: format!(
+                        "expert weight `{name}` has shape {}, expected {want:?}",
+                        t.shape()
+                    ),
                 });
             }
         }
@@ -90,5 +103,8 @@ pub fn create(
 }
 
 fn not_processed(method: &'static str) -> Error {
-    Error::Weights { method, msg: "weights used before process_weights_after_loading".into() }
+    Error::Weights {
+        method,
+        msg: "weights used before process_weights_after_loading".into(),
+    }
 }

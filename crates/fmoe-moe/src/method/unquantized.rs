@@ -15,18 +15,27 @@ pub struct UnquantizedMoeMethod {
 }
 
 impl UnquantizedMoeMethod {
-    pub fn create_weights(experts: CheckpointExperts, (e, k, n): (usize, usize, usize)) -> Result<Self> {
+    pub fn create_weights(
+        experts: CheckpointExperts,
+        (e, k, n): (usize, usize, usize),
+    ) -> Result<Self> {
         let CheckpointExperts::Dense { w13, w2 } = &experts else {
             return Err(Error::Weights {
                 method: NAME,
-                msg: format!("needs dense (bf16/f16/f32) experts, got {} experts", experts.kind()),
+                msg: format!(
+                    "needs dense (bf16/f16/f32) experts, got {} experts",
+                    experts.kind()
+                ),
             });
         };
         experts.check_dims(NAME, e, k, n)?;
         for (name, t) in [("w13", w13), ("w2", w2)] {
             t.expect_dtype(NAME, name, &[DType::BF16, DType::F16, DType::F32])?;
         }
-        Ok(UnquantizedMoeMethod { checkpoint: Some(experts), operands: None })
+        Ok(UnquantizedMoeMethod {
+            checkpoint: Some(experts),
+            operands: None,
+        })
     }
 }
 
