@@ -61,6 +61,11 @@ impl FusedMoe {
                 ));
             }
         };
+        if matches!(config.routing, crate::Routing::GroupedSigmoid { .. }) && bias.is_none() {
+            return Err(Error::Config(
+                "grouped sigmoid routing needs e_score_correction_bias".into(),
+            ));
+        }
         if let Some(b) = &bias {
             b.expect_dims(
                 "FusedMoe::new",
@@ -107,6 +112,7 @@ impl FusedMoe {
     /// Runs the layer with a routing decided elsewhere.
     pub fn forward_routed(&self, x: &Tensor, topk: &TopK) -> Result<Tensor> {
         self.check_input(x)?;
+        check_topk(x, topk)?;
         let y = self.method.apply(x, topk, self.choice.family)?;
         let Some(shared) = &self.shared else {
             return Ok(y);
@@ -153,4 +159,25 @@ impl FusedMoe {
         }
         Ok(())
     }
+}
+
+/// A routing must be ids u32 [M, top_k] and weights f32 of the same shape, M being x's rows; checked
+/// here so that both kernel families name the tensor instead of an internal route count.
+fn check_topk(x: &Tensor, topk: &TopK) -> Result<()> {
+    let m = x.dims()[0];
+    let ids = topk.ids.expect_rank(OP, "topk_ids", 2, "[tokens, top_k]")?;
+    if ids[0] != m {
+        return Err(fmoe_core::Error::ShapeMismatch {
+            op: OP,
+            tensor: "topk_ids".into(),
+            expected: format!("[{m}, top_k] (one row per row of hidden_states)"),
+            got: topk.ids.shape().clone(),
+        }
+        .into());
+    }
+    topk.ids.expect_dtype(OP, "topk_ids", &[DType::U32])?;
+    topk.weights.expect_dims(OP, "topk_weights", ids)?;
+    topk.weights
+        .expect_dtype(OP, "topk_weights", &[DType::F32])?;
+    Ok(())
 }
