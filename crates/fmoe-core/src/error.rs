@@ -56,11 +56,33 @@ pub enum Error {
         device: Device,
         reason: String,
     },
+
+    /// The CUDA driver library, or a usable device, is missing. Always one line (the CLI prints
+    /// it as is).
+    #[error("no CUDA device/driver found: {reason}")]
+    NoCuda { reason: String },
+
+    /// A CUDA driver call failed (allocation, copy, launch, module load).
+    #[error("{op}: CUDA driver error: {msg}")]
+    Cuda { op: &'static str, msg: String },
+
+    /// NVRTC is missing or failed to compile a kernel family; for a compile failure `msg` holds
+    /// NVRTC's log.
+    #[error("nvrtc: kernel family `{family}`: {msg}")]
+    Nvrtc { family: &'static str, msg: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// [`Error::NoCuda`] with `reason` flattened to one line.
+    pub fn no_cuda(reason: impl Into<String>) -> Self {
+        let reason: String = reason.into();
+        Error::NoCuda {
+            reason: reason.split_whitespace().collect::<Vec<_>>().join(" "),
+        }
+    }
+
     pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,

@@ -6,6 +6,10 @@
 //!   variant per backend, so a new backend (CUDA) adds a variant and kernel arms, while layer and
 //!   model code keep calling the same kernel-library functions.
 //! - [`Error`] is the crate's error: every variant names the operation and the tensor at fault.
+//! - [`cuda`] is the CUDA backend: [`cuda::cuda_backend`] opens a device (context, one stream, a
+//!   memory pool that keeps freed blocks) and [`cuda::CudaStorage`] is the memory behind
+//!   [`Storage::Cuda`]. The driver and NVRTC are loaded at run time, so building needs no CUDA
+//!   toolkit and a machine without a GPU gets an [`Error::NoCuda`], never a panic.
 //! - [`env`] parses the `FMOE_*` switches, each variable on its own (no cascade here: the MoE layer
 //!   decides what a combination means).
 //!
@@ -16,6 +20,7 @@
 //! assert_eq!(t.to_dtype(DType::BF16).unwrap().dtype(), DType::BF16);
 //! ```
 
+pub mod cuda;
 mod device;
 mod dtype;
 pub mod env;
@@ -28,3 +33,7 @@ pub use dtype::{DType, F8E4M3, FP8_E4M3_MAX, WithDType, bf16, f16};
 pub use error::{Error, Result};
 pub use shape::Shape;
 pub use tensor::{CpuStorage, Storage, Tensor};
+
+/// Re-exported for fmoe-kernels' NVRTC logging (its manifest does not name `tracing` yet).
+#[doc(hidden)]
+pub use tracing;

@@ -10,11 +10,15 @@
 //!   the routing weight and top-k reduction fused (`fused` family), and the per-expert loop
 //!   baseline (`portable` family).
 //!
+//! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`,
+//! compiled at run time for the device, cached in memory and on disk).
+//!
 //! The MoE layer (fmoe-moe) composes them: prepare (quantize, align) → experts → finalize.
 
 mod error;
 pub mod moe_align;
 pub mod moe_gemm;
+pub mod nvrtc;
 pub mod quant_fp8;
 pub mod routing;
 

@@ -1,15 +1,18 @@
 pub mod bench;
 pub mod kernels;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use fmoe_core::Device;
 
-/// Resolves `--device`: the CPU always works; CUDA needs a backend this build does not have yet.
+/// Resolves `--device`: the CPU always works; `cuda:N` opens that device's backend (driver,
+/// context, stream), so a missing driver or device fails here with the one-line
+/// "no CUDA device/driver found: ..." before any work starts.
 pub fn require_device(device: Device) -> Result<Device> {
     match device {
         Device::Cpu => Ok(device),
-        Device::Cuda(_) => bail!(
-            "no CUDA device/driver found: this build of fmoe has no CUDA backend; use --device cpu"
-        ),
+        Device::Cuda(i) => {
+            fmoe_core::cuda::cuda_backend(i)?;
+            Ok(device)
+        }
     }
 }

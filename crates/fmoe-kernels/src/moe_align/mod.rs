@@ -57,6 +57,12 @@ pub fn align_routes(
         ));
     }
     match topk_ids.storage() {
+        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
+            op: OP,
+            device: s.device(),
+            reason: "no CUDA kernel yet".into(),
+        }
+        .into()),
         Storage::Cpu(_) => cpu::align_routes(
             topk_ids.cpu_slice::<u32>(OP, "topk_ids")?,
             num_experts,

@@ -14,10 +14,15 @@
 //! infinite logit is an error ([`fmoe_core::Error::NonFinite`] naming `router_logits`): NaN has no
 //! place in a top-k order and softmax of +Inf is undefined, so neither is silently routed.
 //!
-//! The functions validate, then dispatch on the logits' storage; `cpu.rs` holds the CPU twin. A
-//! device backend adds an arm with the same contract.
+//! The functions validate, then dispatch on the logits' storage; `cpu.rs` holds the CPU twin and
+//! `cuda.rs` the CUDA one (`topk_softmax` only so far: `grouped_topk` on CUDA is an
+//! [`fmoe_core::Error::Unsupported`]). On CUDA, finiteness is checked by the kernel, which flags
+//! the first non-finite logit; the call reads the flag back (one host synchronization) and
+//! returns the same [`fmoe_core::Error::NonFinite`] as the CPU twin. Outputs stay on the logits'
+//! device.
 
 mod cpu;
+mod cuda;
 
 use fmoe_core::{CpuStorage, DType, Storage, Tensor};
 
@@ -62,10 +67,10 @@ pub fn topk_softmax(logits: &Tensor, top_k: usize, renormalize: bool) -> Result<
     check_top_k(OP, top_k, experts)?;
     check_finite_logits(OP, logits)?;
 
-    let mut weights = vec![0f32; rows * top_k];
-    let mut ids = vec![0u32; rows * top_k];
     match logits.storage() {
         Storage::Cpu(s) => {
+            let mut weights = vec![0f32; rows * top_k];
+            let mut ids = vec![0u32; rows * top_k];
             let (w, i) = (&mut weights[..], &mut ids[..]);
             match s {
                 CpuStorage::F32(v) => cpu::topk_softmax(v, experts, top_k, renormalize, w, i),
@@ -73,9 +78,22 @@ pub fn topk_softmax(logits: &Tensor, top_k: usize, renormalize: bool) -> Result<
                 CpuStorage::F16(v) => cpu::topk_softmax(v, experts, top_k, renormalize, w, i),
                 other => return Err(logits_dtype_error(OP, other.dtype())),
             }
+            output(logits, rows, top_k, weights, ids)
+        }
+        Storage::Cuda(s) => {
+            let (weights, ids) = cuda::topk_softmax(&cuda::TopKSoftmaxArgs {
+                logits: s,
+                rows,
+                experts,
+                top_k,
+                renormalize,
+            })?;
+            Ok(TopK {
+                weights: Tensor::from_storage(Storage::Cuda(weights), [rows, top_k])?,
+                ids: Tensor::from_storage(Storage::Cuda(ids), [rows, top_k])?,
+            })
         }
     }
-    output(logits, rows, top_k, weights, ids)
 }
 
 /// DeepSeek-V3 "noaux_tc" routing.
@@ -125,6 +143,14 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
                 CpuStorage::F16(v) => cpu::grouped_topk(v, b, p, w, i),
                 other => return Err(logits_dtype_error(OP, other.dtype())),
             }
+        }
+        Storage::Cuda(s) => {
+            return Err(fmoe_core::Error::Unsupported {
+                op: OP,
+                device: s.device(),
+                reason: "no CUDA kernel yet".into(),
+            }
+            .into());
         }
     }
     output(logits, rows, p.top_k, weights, ids)
@@ -180,6 +206,7 @@ fn check_groups(op: &'static str, p: &GroupedTopKParams, experts: usize) -> Resu
     Ok(())
 }
 
+/// Host logits are scanned here; device logits are checked by the kernel itself.
 fn check_finite_logits(op: &'static str, logits: &Tensor) -> Result<()> {
     let hit = match logits.storage() {
         Storage::Cpu(s) => match s {
@@ -188,6 +215,7 @@ fn check_finite_logits(op: &'static str, logits: &Tensor) -> Result<()> {
             CpuStorage::F16(v) => cpu::first_non_finite(v),
             other => return Err(logits_dtype_error(op, other.dtype())),
         },
+        Storage::Cuda(_) => None,
     };
     match hit {
         Some((index, value)) => Err(non_finite(op, LOGITS, index, value)),
