@@ -37,3 +37,12 @@ impl Error {
         Error::Core(fmoe_core::Error::invalid(op, msg))
     }
 }
+
+/// The error of a family whose CUDA twin does not exist yet.
+pub(crate) fn no_cuda_kernel(op: &'static str, storage: &fmoe_core::cuda::CudaStorage) -> Error {
+    Error::Core(fmoe_core::Error::Unsupported {
+        op,
+        device: storage.device(),
+        reason: "no CUDA kernel yet".into(),
+    })
+}

@@ -57,12 +57,7 @@ pub fn align_routes(
         ));
     }
     match topk_ids.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => cpu::align_routes(
             topk_ids.cpu_slice::<u32>(OP, "topk_ids")?,
             num_experts,

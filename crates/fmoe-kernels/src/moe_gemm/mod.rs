@@ -47,12 +47,7 @@ pub fn gemm1_silu_mul(
     let rows = a.check(OP, "a1", k)?;
     check_routes(OP, routes, rows * top_k, e)?;
     match a.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => cpu::gemm1_silu_mul(a, routes, top_k, w13),
     }
 }
@@ -82,12 +77,7 @@ pub fn gemm2_weighted_sum(
     }
     check_routes(OP, routes, rows, e)?;
     match h.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => cpu::gemm2_weighted_sum(h, routes, topk_weights, w2),
     }
 }
@@ -126,12 +116,7 @@ pub fn portable_expert_loop(
         ));
     }
     match a1.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant),
     }
 }

@@ -59,12 +59,7 @@ pub fn scale_from_amax(amax: f32) -> f32 {
 pub fn quantize_per_tensor(x: &Tensor) -> Result<(Tensor, Tensor)> {
     const OP: &str = "quant_fp8::quantize_per_tensor";
     match x.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(s) => {
             let xs = input_f32(OP, "x", s)?;
             let a = cpu::amax(&xs).map_err(|(i, v)| non_finite(OP, "x", i, v))?;
@@ -84,12 +79,7 @@ pub fn quantize_with_scale(x: &Tensor, scale: f32) -> Result<Tensor> {
     const OP: &str = "quant_fp8::quantize_with_scale";
     check_scale(OP, scale)?;
     match x.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(s) => {
             let xs = input_f32(OP, "x", s)?;
             let mut q = fp8_buffer(xs.len());
@@ -103,12 +93,7 @@ pub fn quantize_with_scale(x: &Tensor, scale: f32) -> Result<Tensor> {
 pub fn dequantize_per_tensor(q: &Tensor, scale: f32) -> Result<Tensor> {
     const OP: &str = "quant_fp8::dequantize_per_tensor";
     match q.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => {
             let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
             let mut out = vec![0.0f32; qs.len()];
@@ -126,12 +111,7 @@ pub fn quantize_per_token_group(x: &Tensor, group: usize) -> Result<(Tensor, Ten
     let scale_dims = group_scale_dims(OP, "x", x.shape(), group)?;
     let k = last_dim(x.shape());
     match x.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(s) => {
             let xs = input_f32(OP, "x", s)?;
             let mut q = fp8_buffer(xs.len());
@@ -153,12 +133,7 @@ pub fn dequantize_per_token_group(q: &Tensor, scales: &Tensor, group: usize) -> 
     let scale_dims = group_scale_dims(OP, "q", q.shape(), group)?;
     check_scales(OP, "scales", q, scales, &scale_dims)?;
     match q.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => {
             let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
             let ss = scales.cpu_slice::<f32>(OP, "scales")?;
@@ -176,12 +151,7 @@ pub fn quantize_block(w: &Tensor, block: [usize; 2]) -> Result<(Tensor, Tensor)>
     check_block(OP, block)?;
     let (rows, cols, scale_dims) = block_scale_dims(OP, "w", w.shape(), block)?;
     match w.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(s) => {
             let ws = input_f32(OP, "w", s)?;
             let mut q = fp8_buffer(ws.len());
@@ -203,12 +173,7 @@ pub fn dequantize_block(q: &Tensor, scale_inv: &Tensor, block: [usize; 2]) -> Re
     let (rows, cols, scale_dims) = block_scale_dims(OP, "q", q.shape(), block)?;
     check_scales(OP, "scale_inv", q, scale_inv, &scale_dims)?;
     match q.storage() {
-        Storage::Cuda(s) => Err(fmoe_core::Error::Unsupported {
-            op: OP,
-            device: s.device(),
-            reason: "no CUDA kernel yet".into(),
-        }
-        .into()),
+        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
         Storage::Cpu(_) => {
             let qs = q.cpu_slice::<F8E4M3>(OP, "q")?;
             let ss = scale_inv.cpu_slice::<f32>(OP, "scale_inv")?;

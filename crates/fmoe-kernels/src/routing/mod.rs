@@ -145,12 +145,7 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
             }
         }
         Storage::Cuda(s) => {
-            return Err(fmoe_core::Error::Unsupported {
-                op: OP,
-                device: s.device(),
-                reason: "no CUDA kernel yet".into(),
-            }
-            .into());
+            return Err(crate::error::no_cuda_kernel(OP, s));
         }
     }
     output(logits, rows, p.top_k, weights, ids)
