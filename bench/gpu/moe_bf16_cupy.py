@@ -27,21 +27,72 @@ def load(name, entry, defines):
     return cp.RawModule(code=src, options=opts).get_function(entry)
 
 
-ALIGN = load("moe_align.cu", "fmoe_moe_align", [("BLOCK_M", BM)])
-GEMM1 = load("moe_gemm_bf16.cu", "fmoe_moe_gemm_bf16", [("MODE", 1)])
-GEMM2 = load("moe_gemm_bf16.cu", "fmoe_moe_gemm_bf16", [("MODE", 2)])
+ALIGNS = {}
+
+
+def align_fn(bm):
+    if bm not in ALIGNS:
+        ALIGNS[bm] = load("moe_align.cu", "fmoe_moe_align", [("BLOCK_M", bm)])
+    return ALIGNS[bm]
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
+
+
+class Gemm:
+    """One compiled variant (tunables are compile-time constants).
+
+    kind "mma": moe_gemm_bf16.cu (mma.sync, sm_80+), tile 64 x 128 B-rows, BK in {32, 64}.
+    kind "sm90": moe_gemm_bf16_sm90.cu (wgmma), tile 64 x WG_N B-rows, BK 64.
+    `n_tile` is how many output columns one CTA covers (GEMM1: half its B rows).
+    """
+
+    def __init__(self, mode, kind, bk, stages, wg_n, bm):
+        if kind == "mma":
+            self.fn = load("moe_gemm_bf16.cu", "fmoe_moe_gemm_bf16", [("MODE", mode), ("BK", bk), ("STAGES", stages)])
+            self.bk, self.smem, rows, self.bm, self.threads = bk, stages * (64 + 128) * (bk + 8) * 2, 128, 64, 128
+        else:
+            self.fn = load("moe_gemm_bf16_sm90.cu", "fmoe_moe_gemm_bf16",
+                           [("MODE", mode), ("WG_N", wg_n), ("STAGES", stages), ("BM", bm)])
+            self.bk, self.smem, rows, self.bm = 64, stages * (bm + wg_n) * 64 * 2 + 1024, wg_n, bm
+            self.threads = bm // 64 * 128
+        self.n_tile = rows // 2 if mode == 1 else rows
+        self.fn.max_dynamic_shared_size_bytes = self.smem
+
+
+VARIANTS = {}
+
+
+def gemm(mode, kind, bk, stages, wg_n, bm):
+    key = (mode, kind, bk, stages, wg_n, bm)
+    if key not in VARIANTS:
+        VARIANTS[key] = Gemm(*key)
+    return VARIANTS[key]
+
+
+CONFIG = {"kind": "mma", "bk": 32, "stages": 3, "wg_n": 256, "bm": 64, "split": True}
+
+
+def splits_for(R, E, cap, ntiles, kd, bk, BM):
+    """Split-K for GEMM2 so that decode batches still launch a few waves of CTAs."""
+    if not CONFIG["split"]:
+        return 1
+    blocks = min(cap // BM, -(-R // BM) + min(E, R))
+    want = -(-4 * SMS // max(1, ntiles * blocks))
+    return max(1, min(want, (kd // bk) // 8 or 1))
 
 
 def ptr(t):
     return np.uint64(t.data_ptr() if t is not None else 0)
 
 
-def fused_moe(x, w13, w2, w, ids, poison=False):
+def fused_moe(x, w13, w2, w, ids, poison=False, events=None):
     """y = sum_j w_j W2_e(silu(W1_e x) * W3_e x) with fmoe's kernels; x bf16 [M, K]."""
     M, topk = ids.shape
     E, two_n, K = w13.shape
     N = two_n // 2
     R = M * topk
+    cfg = (CONFIG["kind"], CONFIG["bk"], CONFIG["stages"], CONFIG["wg_n"], CONFIG["bm"])
+    g1, g2 = gemm(1, *cfg), gemm(2, *cfg)
+    BM = g1.bm
     cap = (R + E * (BM - 1) + BM - 1) // BM * BM
     u32 = torch.int32
     ids32 = ids.to(u32).contiguous()
@@ -51,21 +102,28 @@ def fused_moe(x, w13, w2, w, ids, poison=False):
     counts = torch.empty(E, dtype=u32, device="cuda")
     total = torch.empty(1, dtype=u32, device="cuda")
     err = torch.zeros(1, dtype=u32, device="cuda")
-    ALIGN((1,), (1024,), (ptr(ids32), np.uint32(R), np.uint32(E), ptr(sorted_routes), ptr(block_experts),
+    align_fn(BM)((1,), (1024,), (ptr(ids32), np.uint32(R), np.uint32(E), ptr(sorted_routes), ptr(block_experts),
                           ptr(offsets), ptr(counts), ptr(total), ptr(err), np.uint32(cap)),
           shared_mem=4 * (3 * E + 1))
     h = (torch.full if poison else torch.empty)((R, N), *( (float("nan"),) if poison else ()),
                                                  dtype=torch.bfloat16, device="cuda")
+    if events:
+        events[0].record()
     if cap:
-        GEMM1((math.ceil(N / 64), cap // BM), (128,),
+        g1.fn((math.ceil(N / g1.n_tile), cap // BM), (g1.threads,),
               (ptr(x), ptr(w13), ptr(sorted_routes), ptr(block_experts), ptr(total), ptr(None), ptr(h), ptr(None),
-               np.uint32(R), np.uint32(topk), np.uint32(K), np.uint32(N)))
+               np.uint32(R), np.uint32(topk), np.uint32(K), np.uint32(N)), shared_mem=g1.smem)
+    if events:
+        events[1].record()
     y32 = torch.zeros(M, K, dtype=torch.float32, device="cuda")
     wflat = w.reshape(-1).float().contiguous()
     if cap:
-        GEMM2((math.ceil(K / 128), cap // BM), (128,),
+        nt = math.ceil(K / g2.n_tile)
+        g2.fn((nt, cap // BM, splits_for(R, E, cap, nt, N, g2.bk, BM)), (g2.threads,),
               (ptr(h), ptr(w2), ptr(sorted_routes), ptr(block_experts), ptr(total), ptr(wflat), ptr(None), ptr(y32),
-               np.uint32(R), np.uint32(topk), np.uint32(N), np.uint32(K)))
+               np.uint32(R), np.uint32(topk), np.uint32(N), np.uint32(K)), shared_mem=g2.smem)
+    if events:
+        events[2].record()
     return y32.to(torch.bfloat16), err
 
 
@@ -91,19 +149,59 @@ def check(cases):
     return ok
 
 
+SWEEP = [("sm90", 64, 4, 128, 64), ("sm90", 64, 5, 128, 64), ("sm90", 64, 4, 256, 64),
+         ("sm90", 64, 4, 128, 128), ("sm90", 64, 3, 256, 128), ("sm90", 64, 4, 256, 128)]
+
+
+def sweep(a):
+    """Per-kernel CUDA-event times (median of 20) for each variant: where the time goes."""
+    for name in a.shapes.split(","):
+        E, K, N, topk = P.SHAPES[name]
+        L = P.make_layer(E, K, N, [])
+        for M in [int(t) for t in a.tokens.split(",")]:
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            w, ids = P.route(M, E, topk)
+            for kind, bk, st, wg_n, bm in SWEEP:
+                CONFIG.update(kind=kind, bk=bk, stages=st, wg_n=wg_n, bm=bm)
+                split = True
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                t1, t2, tt = [], [], []
+                for i in range(23):
+                    s0 = torch.cuda.Event(enable_timing=True); s0.record()
+                    fused_moe(x, L["w13"], L["w2"], w, ids, events=ev)
+                    e0 = torch.cuda.Event(enable_timing=True); e0.record()
+                    torch.cuda.synchronize()
+                    if i >= 3:
+                        t1.append(ev[0].elapsed_time(ev[1])); t2.append(ev[1].elapsed_time(ev[2])); tt.append(s0.elapsed_time(e0))
+                med = lambda v: sorted(v)[len(v) // 2]
+                print(f"sweep {name:13} M={M:5} {kind} BM{bm} S{st} N{wg_n}: gemm1 {med(t1):.3f} gemm2 {med(t2):.3f} total {med(tt):.3f} ms", flush=True)
+        del L
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--shapes", default="mixtral-8x7b,deepseek-v3")
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time GEMM1/GEMM2 per tile variant and split-K")
+    ap.add_argument("--bk", type=int, default=32)
+    ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--kind", default="mma", choices=["mma", "sm90"])
+    ap.add_argument("--wg-n", type=int, default=256)
+    ap.add_argument("--bm", type=int, default=64)
     a = ap.parse_args()
+    CONFIG.update(kind=a.kind, bk=a.bk, stages=a.stages, wg_n=a.wg_n, bm=a.bm)
     ok = check([(0, 8, 256, 128, 2), (1, 8, 256, 128, 2), (5, 1, 256, 200, 1), (33, 8, 136, 72, 8),
                 (100, 256, 512, 256, 8), (300, 8, 1024, 1000, 2), (2048, 16, 512, 384, 4)])
     if not ok:
         print("correctness check FAILED", flush=True)
         sys.exit(1)
     if a.check_only:
+        return
+    if a.sweep:
+        sweep(a)
         return
     c = P.ceilings()
     print("ceilings:", json.dumps(c), flush=True)

@@ -8,8 +8,13 @@
 //   route's routing weight and adds into y32 [M, K] (f32, zeroed by the caller): the top-k
 //   reduction is fused through atomics.
 //
+// MODE 2 may split the reduction over gridDim.z (split-K): each split adds its partial sum into
+// y32, so decode-sized batches still spread the weight stream over every SM. MODE 1 needs
+// gridDim.z == 1 (SiLU is not linear).
+//
 // Contract: the reduction length is a multiple of 8 (16-byte loads); moe_align ran with
-// block_m == BM, so every BM rows of sorted_routes belong to one expert.
+// block_m == BM, so every BM rows of sorted_routes belong to one expert. Shared memory is dynamic:
+// STAGES * (BM + BN) * (BK + 8) * 2 bytes (see fmoe_moe_gemm_bf16_smem_bytes in the Rust side).
 
 #include <cuda_bf16.h>
 
@@ -18,10 +23,15 @@
 #endif
 #define BM 64
 #define BN 128
-#define BK 32
+#ifndef BK
+#define BK 32        // reduction tile: 16-byte chunks per row = BK / 8
+#endif
+#ifndef STAGES
+#define STAGES 3     // cp.async ring: STAGES - 1 tiles in flight while one is consumed
+#endif
 #define SK (BK + 8)  // padded shared-memory row (bf16 elements): conflict-free ldmatrix
-#define STAGES 3     // cp.async ring: two tiles in flight while one is consumed (46 KB static smem)
 #define NTHREADS 128
+#define CHUNKS (BK / 8)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
     unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
@@ -60,8 +70,11 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
                    __nv_bfloat16* __restrict__ h_out,        // MODE 1: [num_routes, n_out]
                    float* __restrict__ y32,                  // MODE 2: [num_routes / top_k, n_out]
                    unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
-    __shared__ __align__(16) __nv_bfloat16 as[STAGES][BM][SK];
-    __shared__ __align__(16) __nv_bfloat16 bs[STAGES][BN][SK];
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    typedef __nv_bfloat16 ATile[BM][SK];
+    typedef __nv_bfloat16 BTile[BN][SK];
+    ATile* as = reinterpret_cast<ATile*>(smem_raw);
+    BTile* bs = reinterpret_cast<BTile*>(smem_raw + STAGES * sizeof(ATile));
     __shared__ unsigned int route[BM];
 
     const unsigned int m0 = blockIdx.y * BM;
@@ -84,10 +97,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
     __syncthreads();
 
     auto load_stage = [&](int stage, unsigned int k0) {
-        // A: BM rows x BK cols = 256 chunks of 8 elements, 2 per thread.
+        // A: BM rows x BK cols in 16-byte chunks.
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            unsigned int c = tid + i * NTHREADS, r = c >> 2, col = (c & 3) * 8;
+        for (int i = 0; i < BM * CHUNKS / NTHREADS; ++i) {
+            unsigned int c = tid + i * NTHREADS, r = c / CHUNKS, col = (c % CHUNKS) * 8;
             unsigned int rt = route[r];
             bool ok = rt < num_routes && k0 + col < kd;
 #if MODE == 1
@@ -97,10 +110,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
 #endif
             cp_async16(&as[stage][r][col], a + row * kd + (ok ? k0 + col : 0), ok);
         }
-        // W: BN rows x BK cols = 512 chunks, 4 per thread.
+        // W: BN rows x BK cols in 16-byte chunks.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            unsigned int c = tid + i * NTHREADS, r = c >> 2, col = (c & 3) * 8;
+        for (int i = 0; i < BN * CHUNKS / NTHREADS; ++i) {
+            unsigned int c = tid + i * NTHREADS, r = c / CHUNKS, col = (c % CHUNKS) * 8;
 #if MODE == 1
             unsigned int n = n0 + (r & 63);
             unsigned long long wr = (r < 64 ? 0ull : (unsigned long long)n_out) + n;
@@ -121,10 +134,15 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
 #pragma unroll
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
-    const unsigned int ktiles = (kd + BK - 1) / BK;
+    // This block's share of the reduction (all of it unless MODE 2 splits over gridDim.z).
+    const unsigned int all_tiles = (kd + BK - 1) / BK;
+    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
+    const unsigned int kbase = blockIdx.z * per_split * BK;
+    const unsigned int ktiles = min(per_split, all_tiles - min(all_tiles, blockIdx.z * per_split));
+    if (ktiles == 0) return;  // a trailing split with nothing left to reduce
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
-        if (st < ktiles) load_stage(st, st * BK);
+        if (st < ktiles) load_stage(st, kbase + st * BK);
         cp_async_commit();  // empty groups keep the wait count uniform
     }
     // ldmatrix row/column of this lane: A tiles take rows 0-15 x cols {0,8}; B tiles take two n8
@@ -134,7 +152,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
     for (unsigned int kt = 0; kt < ktiles; ++kt) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();  // tile kt is visible; everyone is done with the slot refilled below
-        if (kt + STAGES - 1 < ktiles) load_stage((kt + STAGES - 1) % STAGES, (kt + STAGES - 1) * BK);
+        if (kt + STAGES - 1 < ktiles) load_stage((kt + STAGES - 1) % STAGES, kbase + (kt + STAGES - 1) * BK);
         cp_async_commit();
         const int s = kt % STAGES;
 #pragma unroll
