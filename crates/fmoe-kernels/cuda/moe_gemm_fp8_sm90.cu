@@ -1,0 +1,325 @@
+// moe_gemm_fp8_sm90: the grouped expert GEMM of moe_gemm_bf16_sm90.cu with per-tensor-scaled fp8
+// (OCP e4m3fn) operands, on Hopper tensor cores: wgmma.m64n{WG_N}k32.f32.e4m3.e4m3, both operands
+// K-major (the only layout fp8 wgmma takes). Compiled for sm_90a only.
+//
+// Same structure as the bf16 kernel: BM / 64 warpgroups per CTA compute a BM x WG_N tile; a
+// STAGES-deep cp.async ring of 128-byte-swizzled tiles (A rows gathered by route); BK = 128 fp8
+// elements = 128 bytes = one swizzle row, so the tile bytes, descriptors and the 32-byte K step per
+// wgmma are exactly the bf16 kernel's (k32 fp8 = k16 bf16 = 32 bytes). One wgmma group stays in
+// flight; the ring prefetches STAGES - 2 tiles ahead.
+//
+// Scales (per-tensor, dequantization multipliers, x ~ q * s): the activation scale a_scale[0] and
+// the expert's weight scale w_scale[e] are applied once per dot product, in the epilogue
+// (value = acc * (a_scale * w_scale[e]), as moe_gemm/cpu.rs does).
+//
+// MODE 1 (GEMM1): a = quantized tokens [M, K] (row rt / top_k), w = w13 codes [E, 2N, K] (gate rows
+//   first); a CTA's WG_N B rows pair WG_N / 2 gate rows with the matching up rows. Epilogue:
+//   h = silu(gate) * up rounded to bf16 into h_out [R, N] (route order), and, if h_amax is not null,
+//   atomicMax of the bits of |h| (the bf16-rounded value) into *h_amax (zeroed by the caller): the
+//   global amax for the per-tensor requantization of h, so only the cast pass
+//   (quant_fp8.cu:fmoe_fp8_quant_tensor with that amax) remains before GEMM2. A non-finite h shows up
+//   as amax bits >= 0x7F800000, which the cast pass flags.
+// MODE 2 (GEMM2): a = quantized h [R, N] (row rt), w = w2 codes [E, K, N]; y32[rt / top_k] +=
+//   topk_weights[rt] * value with f32 vector atomics (red.global.add.v2.f32); the reduction may be
+//   split over gridDim.z (y32 zeroed by the caller).
+//
+// PROMOTE 1 (WG_N 128 only): each 128-wide K tile goes into a fresh partial accumulator that is
+// added to an f32 register accumulator once the tile's wgmma retire (no wgmma overlap across tiles,
+// ring prefetch STAGES - 1), as the block-scaled kernel does; PROMOTE 0 keeps the whole K reduction in
+// the tensor-core accumulator, whose fp8 accumulation keeps fewer bits than f32. Measured on an H200
+// against an f64 reference on the same codes (M = 64): PROMOTE 0 adds ~2e-3 (GEMM1, K = 4096/7168)
+// and 1.1e-3..2.2e-3 (GEMM2, K = 2048/14336) relative error, PROMOTE 1 ~2e-4; both far below the
+// fp8 quantization error itself (~6.5e-2). PROMOTE 1 costs nothing while bandwidth-bound (M <= 256)
+// and ~1.3-1.6x GEMM time when compute-bound (no wgmma overlap, 64 x 128 tiles).
+//
+// Contract: kd % 16 == 0 (16-byte rows for cp.async; zero-filled past kd), n_out % 2 == 0 (paired
+// stores; GEMM2's reduction dim is GEMM1's n_out, so N % 16 == 0 for the whole layer). Routes
+// aligned by moe_align.cu with BLOCK_M = BM.
+// Launch: grid (ceil(n_out / (MODE 1 ? WG_N / 2 : WG_N)), capacity / BM, MODE 1 ? 1 : splits),
+// block BM / 64 * 128 threads, dynamic shared memory STAGES * (BM + WG_N) * 128 + 1024 bytes.
+
+#include <cuda_bf16.h>
+
+#ifndef MODE
+#define MODE 1
+#endif
+#ifndef WG_N
+#define WG_N 256
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef BM
+#define BM 64  // 64 or 128: one warpgroup per 64 rows
+#endif
+#ifndef PROMOTE
+#define PROMOTE 0  // 1: promote to an f32 register accumulator every K tile (WG_N 128 only)
+#endif
+#define BK 128  // fp8 elements (= bytes): one 128-byte swizzle row
+#define NTHREADS (BM / 64 * 128)
+#define A_BYTES (BM * BK)
+#define B_BYTES (WG_N * BK)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+
+static_assert(WG_N == 128 || WG_N == 256, "wgmma tile width");
+static_assert(BM == 64 || BM == 128, "M tile");
+static_assert(STAGES >= 3, "one tile in wgmma, one landing, one loading");
+static_assert(!PROMOTE || WG_N == 128, "promotion needs a second accumulator: 64 + 64 registers");
+
+__device__ __forceinline__ void cp_async16(unsigned int smem, const void* gmem, bool pred) {
+    int n = pred ? 16 : 0;  // 0 source bytes: zero-fill
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Byte offset of 16-byte chunk `ch` of row `r` in a K-major tile with 128-byte swizzle.
+__device__ __forceinline__ unsigned int swz(unsigned int r, unsigned int ch) { return r * 128 + ((ch ^ (r & 7)) << 4); }
+
+// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned int addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+// y[0..1] += (a, b): one vector reduction (sm_90), 8-byte aligned address.
+__device__ __forceinline__ void red_add_v2(float* y, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(y), "f"(a), "f"(b) : "memory");
+}
+
+// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 x e4m3 -> f32, both K-major in 128-byte-swizzled
+// shared memory (fp8 wgmma has no transpose: K-major is the only layout). scale_d = 0: D = A * B.
+__device__ __forceinline__ void wgmma_m64n128k32(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, %64, %65, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 256] (+)= A[64 x 32] * B[256 x 32]^T, e4m3 x e4m3 -> f32, both K-major in 128-byte-swizzled
+// shared memory (fp8 wgmma has no transpose: K-major is the only layout). scale_d = 0: D = A * B.
+__device__ __forceinline__ void wgmma_m64n256k32(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+        "{"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+        "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+        "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+        "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+        "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127"
+        "}, %128, %129, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __restrict__ w,
+                  const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
+                  const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
+                  const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+                  __nv_bfloat16* __restrict__ h_out, unsigned int* __restrict__ h_amax, float* __restrict__ y32,
+                  unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ unsigned int route[BM];
+
+    const unsigned int m0 = blockIdx.y * BM;
+    if (m0 >= *total) return;
+    const unsigned int e = block_experts[blockIdx.y];
+    const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned int g = lane >> 2, t = lane & 3, wg = tid >> 7;
+
+    // 1024-byte aligned ring (swizzle atoms must be).
+    const unsigned int raw = static_cast<unsigned int>(__cvta_generic_to_shared(smem_raw));
+    const unsigned int ring = (raw + 1023) & ~1023u;
+
+#if MODE == 1
+    const unsigned int n0 = blockIdx.x * (WG_N / 2);
+    const unsigned long long w_rows = 2ull * n_out;
+#else
+    const unsigned int n0 = blockIdx.x * WG_N;
+    const unsigned long long w_rows = n_out;
+#endif
+    const unsigned char* we = w + (unsigned long long)e * w_rows * kd;
+
+    if (tid < BM) route[tid] = sorted_routes[m0 + tid];
+    __syncthreads();
+
+    auto load_stage = [&](unsigned int stage, unsigned int k0) {
+        const unsigned int sa = ring + stage * STAGE_BYTES, sb = sa + A_BYTES;
+#pragma unroll
+        for (int i = 0; i < BM * 8 / NTHREADS; ++i) {
+            const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
+            const unsigned int rt = route[r];
+            const bool ok = rt < num_routes && col < kd;
+#if MODE == 1
+            const unsigned long long row = ok ? rt / top_k : 0;
+#else
+            const unsigned long long row = ok ? rt : 0;
+#endif
+            cp_async16(sa + swz(r, ch), a + (ok ? row * kd + col : 0), ok);
+        }
+#pragma unroll
+        for (int i = 0; i < WG_N * 8 / NTHREADS; ++i) {
+            const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
+#if MODE == 1
+            const unsigned int n = n0 + (r % (WG_N / 2));
+            const unsigned long long wr = (r < WG_N / 2 ? 0ull : (unsigned long long)n_out) + n;
+            const bool ok = n < n_out && col < kd;
+#else
+            const unsigned long long wr = n0 + r;
+            const bool ok = n0 + r < n_out && col < kd;
+#endif
+            cp_async16(sb + swz(r, ch), we + (ok ? wr * kd + col : 0), ok);
+        }
+    };
+
+    float acc[WG_N / 2];
+#pragma unroll
+    for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.0f;
+#if PROMOTE
+    float part[WG_N / 2];
+#pragma unroll
+    for (int i = 0; i < WG_N / 2; ++i) part[i] = 0.0f;
+#endif
+
+    const unsigned int all_tiles = (kd + BK - 1) / BK;
+    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
+    const unsigned int kbase = blockIdx.z * per_split * BK;
+    const unsigned int ktiles = min(per_split, all_tiles - min(all_tiles, blockIdx.z * per_split));
+    if (ktiles == 0) return;
+
+#if PROMOTE
+    constexpr int AHEAD = STAGES - 1;  // every wgmma is retired before the next barrier
+#else
+    constexpr int AHEAD = STAGES - 2;  // tiles prefetched beyond the one being consumed
+#endif
+#pragma unroll
+    for (int st = 0; st < AHEAD; ++st) {
+        if (st < ktiles) load_stage(st, kbase + st * BK);
+        cp_async_commit();
+    }
+    for (unsigned int kt = 0; kt < ktiles; ++kt) {
+        cp_async_wait<AHEAD - 1>();
+        // cp.async wrote through the generic proxy; wgmma reads through the async proxy.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        // Tile kt is complete for everyone, and every warpgroup has retired the wgmma group of
+        // tile kt - 2, whose slot is refilled below (the group of kt - 1 may still be running).
+        __syncthreads();
+        if (kt + AHEAD < ktiles) load_stage((kt + AHEAD) % STAGES, kbase + (kt + AHEAD) * BK);
+        cp_async_commit();
+
+        const unsigned int sa = ring + (kt % STAGES) * STAGE_BYTES + wg * (64 * 128), sb = ring + (kt % STAGES) * STAGE_BYTES + A_BYTES;
+        const unsigned long long da = smem_desc(sa), db = smem_desc(sb);
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) {
+            // Advancing 32 fp8 elements along K moves the start address by 32 bytes (2 in 16-byte units).
+#if PROMOTE
+            wgmma_m64n128k32(part, da + 2 * ks, db + 2 * ks, ks > 0);
+#elif WG_N == 256
+            wgmma_m64n256k32(acc, da + 2 * ks, db + 2 * ks, 1);
+#else
+            wgmma_m64n128k32(acc, da + 2 * ks, db + 2 * ks, 1);
+#endif
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#if PROMOTE
+        // The tensor cores accumulate fp8 products with fewer mantissa bits than f32; adding each
+        // 128-wide K tile's partial sums into registers bounds that error (DeepSeek-V3's promotion).
+        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+        for (int i = 0; i < WG_N / 2; ++i) asm volatile("" : "+f"(part[i])::"memory");
+#pragma unroll
+        for (int i = 0; i < WG_N / 2; ++i) acc[i] += part[i];
+#else
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+#endif
+    }
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#pragma unroll
+    for (int i = 0; i < WG_N / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+
+    // Per-tensor scales, once per dot product.
+    const float sc = a_scale[0] * w_scale[e];
+
+    // Epilogue. acc[4j + q]: row 64 * wg + 16 * (warp % 4) + g (+8 for q >= 2), column 8j + 2t + (q & 1).
+#if MODE == 1
+    unsigned int hmax = 0;  // bits of max |h| (non-negative floats order as unsigned ints)
+#endif
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const unsigned int rt = route[wg * 64 + (warp & 3) * 16 + g + half * 8];
+        if (rt >= num_routes) continue;
+#if MODE == 1
+        __nv_bfloat16* hrow = h_out + (unsigned long long)rt * n_out;
+#pragma unroll
+        for (int j = 0; j < WG_N / 16; ++j) {
+            const unsigned int n = n0 + j * 8 + 2 * t;  // even; n_out even, so n + 1 < n_out too
+            if (n < n_out) {
+                const float g0 = acc[4 * j + 2 * half] * sc, g1 = acc[4 * j + 2 * half + 1] * sc;
+                const float u0 = acc[4 * (j + WG_N / 16) + 2 * half] * sc, u1 = acc[4 * (j + WG_N / 16) + 2 * half + 1] * sc;
+                const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+                *reinterpret_cast<__nv_bfloat162*>(hrow + n) = hv;
+                hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
+            }
+        }
+#else
+        const float wt = topk_weights[rt];
+        float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
+#pragma unroll
+        for (int j = 0; j < WG_N / 8; ++j) {
+            const unsigned int c = n0 + j * 8 + 2 * t;  // even; n_out even
+            if (c < n_out) red_add_v2(yrow + c, wt * (acc[4 * j + 2 * half] * sc), wt * (acc[4 * j + 2 * half + 1] * sc));
+        }
+#endif
+    }
+#if MODE == 1
+    if (h_amax != nullptr) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) hmax = max(hmax, __shfl_xor_sync(0xffffffffu, hmax, o));
+        if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
+    }
+#endif
+}

@@ -1,0 +1,156 @@
+// quant_fp8: dynamic fp8 (OCP e4m3fn) quantization of activations on the GPU, the CUDA twin of
+// quant_fp8/cpu.rs with the same arithmetic, so that codes and scales agree bit for bit:
+//   scale = max(amax, 1e-10) / 448 (IEEE f32 division), q = sat_rne(x / scale) (IEEE division,
+//   then one RNE rounding to e4m3 with finite saturation: cvt.rn.satfinite.e4m3x2.f32).
+// A NaN or ±Inf in the data makes the dynamic scale meaningless: the CPU twin returns an error, these
+// kernels set *error_flag = 1 (outputs are still written for every element) for the caller to check.
+//
+// Input element type: bf16 by default, f32 with -DQUANT_IN_F32=1. Pointers must be 16-byte aligned.
+//
+// Kernels (all launch with any 1-D grid; block sizes below are what they are written for):
+//   fmoe_fp8_amax          grid-stride |x| max into *amax_bits (u32 bits of a non-negative float,
+//                          so unsigned order is float order; NaN/Inf bits compare above every finite
+//                          value). *amax_bits must be zeroed before. Block 256 threads (any multiple
+//                          of 32 up to 1024).
+//   fmoe_fp8_quant_tensor  q = sat_rne(x / s), s = max(amax, 1e-10) / 448 from *amax_bits; writes
+//                          s to scale_out[0]; flags a non-finite amax. Block 256, grid-stride.
+//   fmoe_fp8_quant_group   per-token-group 1 x 128 along the last dim: x [rows, k] ->
+//                          q [rows, k], scales f32 [rows, ceil(k / 128)]; one warp per group
+//                          (a ragged last group uses the amax of its own columns). Block 256
+//                          (8 groups), grid ceil(rows * ceil(k/128) / 8).
+// Per-tensor quantization is two launches (amax, then cast) because the scale needs a grid-wide
+// reduction first; the GEMM1 epilogue of moe_gemm_fp8_sm90.cu produces the amax of h itself, so
+// only the cast pass remains for the GEMM2 operand.
+
+#include <cuda_bf16.h>
+
+#if QUANT_IN_F32
+typedef float in_t;
+__device__ __forceinline__ float to_f32(float v) { return v; }
+#define VEC 4  // elements per 16-byte load
+#else
+typedef __nv_bfloat16 in_t;
+__device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162float(v); }
+#define VEC 8
+#endif
+
+#define FP8_MAX 448.0f
+#define AMAX_FLOOR 1e-10f
+#define NONFINITE_BITS 0x7F800000u
+
+// Two f32 -> two e4m3 codes (lo in the low byte): round to nearest even, saturate to ±448, NaN -> NaN.
+__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float scale_from_amax(float amax) { return __fdiv_rn(fmaxf(amax, AMAX_FLOOR), FP8_MAX); }
+
+__device__ __forceinline__ unsigned int abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
+
+__device__ __forceinline__ unsigned int warp_max(unsigned int m) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    return m;
+}
+
+// Loads VEC consecutive elements (16 bytes) as f32.
+__device__ __forceinline__ void load_vec(const in_t* p, float* v) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+#if QUANT_IN_F32
+    v[0] = __uint_as_float(u.x); v[1] = __uint_as_float(u.y); v[2] = __uint_as_float(u.z); v[3] = __uint_as_float(u.w);
+#else
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+#endif
+}
+
+extern "C" __global__ void fmoe_fp8_amax(const in_t* __restrict__ x, unsigned long long n,
+                                         unsigned int* __restrict__ amax_bits) {
+    __shared__ unsigned int red[32];
+    unsigned int m = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long nv = n / VEC;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+        float v[VEC];
+        load_vec(x + i * VEC, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) m = max(m, abs_bits(v[j]));
+    }
+    for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        m = max(m, abs_bits(to_f32(x[i])));
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        m = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0u;
+        m = warp_max(m);
+        if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
+    }
+}
+
+extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, unsigned long long n,
+                                                 const unsigned int* __restrict__ amax_bits,
+                                                 unsigned char* __restrict__ q, float* __restrict__ scale_out,
+                                                 unsigned int* __restrict__ error_flag) {
+    const unsigned int ab = *amax_bits;
+    const float s = scale_from_amax(__uint_as_float(ab));
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        scale_out[0] = s;
+        if (ab >= NONFINITE_BITS) atomicExch(error_flag, 1u);
+    }
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long nv = n / VEC;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+        float v[VEC];
+        load_vec(x + i * VEC, v);
+        unsigned int w[VEC / 4];
+#pragma unroll
+        for (int j = 0; j < VEC / 4; ++j)
+            w[j] = (unsigned int)e4m3x2(__fdiv_rn(v[4 * j], s), __fdiv_rn(v[4 * j + 1], s)) |
+                   ((unsigned int)e4m3x2(__fdiv_rn(v[4 * j + 2], s), __fdiv_rn(v[4 * j + 3], s)) << 16);
+#if VEC == 8
+        *reinterpret_cast<uint2*>(q + i * VEC) = make_uint2(w[0], w[1]);
+#else
+        *reinterpret_cast<unsigned int*>(q + i * VEC) = w[0];
+#endif
+    }
+    for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+        q[i] = (unsigned char)(e4m3x2(__fdiv_rn(to_f32(x[i]), s), 0.0f) & 0xFF);
+}
+
+extern "C" __global__ void fmoe_fp8_quant_group(const in_t* __restrict__ x, unsigned int rows, unsigned int k,
+                                                unsigned char* __restrict__ q, float* __restrict__ scales,
+                                                unsigned int* __restrict__ error_flag) {
+    const unsigned int lane = threadIdx.x & 31;
+    const unsigned int groups = (k + 127) / 128;
+    const unsigned long long gid = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (gid >= (unsigned long long)rows * groups) return;
+    const unsigned int row = (unsigned int)(gid / groups), grp = (unsigned int)(gid % groups);
+    const unsigned long long base = (unsigned long long)row * k + grp * 128u;
+    const unsigned int cnt = min(128u, k - grp * 128u);
+    float v[4];
+    unsigned int m = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int c = lane + 32 * i;
+        v[i] = c < cnt ? to_f32(x[base + c]) : 0.0f;
+        m = max(m, abs_bits(v[i]));
+    }
+    m = warp_max(m);
+    const float s = scale_from_amax(__uint_as_float(m));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int c = lane + 32 * i;
+        if (c < cnt) q[base + c] = (unsigned char)(e4m3x2(__fdiv_rn(v[i], s), 0.0f) & 0xFF);
+    }
+    if (lane == 0) {
+        scales[(unsigned long long)row * groups + grp] = s;
+        if (m >= NONFINITE_BITS) atomicExch(error_flag, 1u);
+    }
+}
