@@ -27,6 +27,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(cmd::bench::Bench),
+    /// Generate text with a model directory (Mixtral): prints the text and tokens/s.
+    Generate(cmd::generate::Args),
 }
 
 fn main() -> ExitCode {
@@ -38,6 +40,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Kernels(args) => cmd::kernels::run(args),
         Command::Bench(b) => cmd::bench::run(b),
+        Command::Generate(args) => cmd::generate::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -2,8 +2,10 @@
 //! produce new tensors.
 //!
 //! On CUDA, [`Tensor::reshape`] shares the storage, [`Tensor::index0`] and [`Tensor::stack0`] copy
-//! device to device, and [`Tensor::to_dtype`] goes through the host (download, convert, upload)
-//! until a cast kernel exists. [`Tensor::cpu_slice`] and [`Tensor::cpu_storage`] are host-only:
+//! device to device, [`Tensor::zeros`] and [`Tensor::full`] are memsets, and [`Tensor::to_dtype`]
+//! goes through the host (download, convert, upload): this crate compiles no kernels. The device
+//! cast is `fmoe_kernels::elementwise::to_dtype` (a CUDA kernel; on the CPU it is this
+//! `to_dtype`), which is what the MoE layer uses. [`Tensor::cpu_slice`] and [`Tensor::cpu_storage`] are host-only:
 //! on a CUDA tensor they return [`Error::DeviceMismatch`]; use [`Tensor::to_device`] or
 //! [`Tensor::to_f32_vec`] to read device data.
 
@@ -56,7 +58,7 @@ impl CpuStorage {
         }
     }
 
-    fn from_f32_slice(v: &[f32], dtype: DType) -> CpuStorage {
+    pub(crate) fn from_f32_slice(v: &[f32], dtype: DType) -> CpuStorage {
         fn conv<T: WithDType>(v: &[f32]) -> CpuStorage {
             T::into_storage(v.iter().map(|&x| T::from_f32(x)).collect())
         }
@@ -173,6 +175,25 @@ impl Tensor {
             Device::Cpu => Tensor::from_f32(&vec![0.0; shape.elem_count()], shape, dtype, device),
             Device::Cuda(i) => {
                 let s = CudaStorage::zeros(&cuda_backend(*i)?, dtype, shape.elem_count())?;
+                Tensor::from_storage(Storage::Cuda(s), shape)
+            }
+        }
+    }
+
+    /// A tensor of `value` (converted to `dtype` as [`Tensor::from_f32`] does). On CUDA one
+    /// stream-ordered memset of the element's bit pattern: no host data, no synchronization.
+    pub fn full(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        value: f32,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        match device {
+            Device::Cpu => Tensor::from_f32(&vec![value; shape.elem_count()], shape, dtype, device),
+            Device::Cuda(i) => {
+                let mut s = CudaStorage::alloc(&cuda_backend(*i)?, dtype, shape.elem_count())?;
+                s.fill(value)?;
                 Tensor::from_storage(Storage::Cuda(s), shape)
             }
         }
@@ -333,7 +354,9 @@ impl Tensor {
         }
     }
 
-    /// A copy converted to `dtype` (through f32; on CUDA through the host for now).
+    /// A copy converted to `dtype` (through f32). On CUDA this goes through the host (a
+    /// synchronizing download and an upload); device code calls
+    /// `fmoe_kernels::elementwise::to_dtype`, which casts on the device.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         if dtype == self.dtype() {
             return Ok(self.clone());
@@ -453,6 +476,15 @@ mod tests {
                 .to_string()
                 .contains("out of range")
         );
+    }
+
+    #[test]
+    fn full_converts_the_value_once() {
+        let t = Tensor::full([2, 3], DType::BF16, 1.0 / 3.0, &Device::Cpu).unwrap();
+        let want = bf16::from_f32(1.0 / 3.0).to_f32();
+        assert_eq!(t.to_f32_vec().unwrap(), vec![want; 6]);
+        let u = Tensor::full([2], DType::U32, 7.0, &Device::Cpu).unwrap();
+        assert_eq!(u.cpu_slice::<u32>("t", "u").unwrap(), &[7, 7]);
     }
 
     #[test]

@@ -18,6 +18,12 @@
 //                          q [rows, k], scales f32 [rows, ceil(k / 128)]; one warp per group
 //                          (a ragged last group uses the amax of its own columns). Block 256
 //                          (8 groups), grid ceil(rows * ceil(k/128) / 8).
+//   fmoe_fp8_quant_block   dynamic 128 x 128 block quantization of a stack of row-major matrices
+//                          (weights, DeepSeek-V3's weight_scale_inv layout): x [mats, rows, cols] ->
+//                          q [mats, rows, cols], scale_inv f32 [mats, ceil(rows/128), ceil(cols/128)]; a
+//                          ragged edge block uses the amax of the elements it covers. One block of 256
+//                          threads per 128 x 128 block, grid (ceil(cols/128), ceil(rows/128), mats); each
+//                          warp walks rows, its lanes the columns. Flags a non-finite block amax.
 // Per-tensor quantization is two launches (amax, then cast) because the scale needs a grid-wide
 // reduction first; the GEMM1 epilogue of moe_gemm_fp8_sm90.cu produces the amax of h itself, so
 // only the cast pass remains for the GEMM2 operand.
@@ -152,5 +158,41 @@ extern "C" __global__ void fmoe_fp8_quant_group(const in_t* __restrict__ x, unsi
     if (lane == 0) {
         scales[(unsigned long long)row * groups + grp] = s;
         if (m >= NONFINITE_BITS) atomicExch(error_flag, 1u);
+    }
+}
+
+extern "C" __global__ void fmoe_fp8_quant_block(const in_t* __restrict__ x, unsigned int rows, unsigned int cols,
+                                                unsigned char* __restrict__ q, float* __restrict__ scale_inv,
+                                                unsigned int* __restrict__ error_flag) {
+    __shared__ unsigned int red[32];
+    __shared__ float block_scale;
+    const unsigned int r0 = blockIdx.y * 128u, c0 = blockIdx.x * 128u;
+    const unsigned int nr = min(128u, rows - r0), nc = min(128u, cols - c0);
+    const unsigned long long base = (unsigned long long)blockIdx.z * rows * cols + (unsigned long long)r0 * cols + c0;
+    const unsigned int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    unsigned int m = 0;
+    for (unsigned int r = threadIdx.x >> 5; r < nr; r += warps) {
+        const in_t* xr = x + base + (unsigned long long)r * cols;
+        for (unsigned int c = lane; c < nc; c += 32) m = max(m, abs_bits(to_f32(xr[c])));
+    }
+    m = warp_max(m);
+    if (lane == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        m = threadIdx.x < warps ? red[threadIdx.x] : 0u;
+        m = warp_max(m);
+        if (threadIdx.x == 0) {
+            const float s = scale_from_amax(__uint_as_float(m));
+            block_scale = s;
+            scale_inv[((unsigned long long)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = s;
+            if (m >= NONFINITE_BITS) atomicExch(error_flag, 1u);
+        }
+    }
+    __syncthreads();
+    const float s = block_scale;
+    for (unsigned int r = threadIdx.x >> 5; r < nr; r += warps) {
+        const in_t* xr = x + base + (unsigned long long)r * cols;
+        unsigned char* qr = q + base + (unsigned long long)r * cols;
+        for (unsigned int c = lane; c < nc; c += 32) qr[c] = (unsigned char)(e4m3x2(__fdiv_rn(to_f32(xr[c]), s), 0.0f) & 0xFF);
     }
 }

@@ -10,12 +10,17 @@
 //!   the routing weight and top-k reduction fused (`fused` family), and the per-expert loop
 //!   baseline (`portable` family).
 //!
+//! - [`elementwise`]: casts, adds, random fills and sums on the tensor's device (the glue around
+//!   the GEMMs, and the benchmark's device-side weights).
+//!
 //! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`,
 //! compiled at run time for the device, cached in memory and on disk).
 //!
 //! The MoE layer (fmoe-moe) composes them: prepare (quantize, align) → experts → finalize.
 
+pub mod elementwise;
 mod error;
+mod launch;
 pub mod moe_align;
 pub mod moe_gemm;
 pub mod nvrtc;

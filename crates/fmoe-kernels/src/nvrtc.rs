@@ -75,6 +75,35 @@ pub enum Origin {
 pub struct KernelCache {
     dir: Option<PathBuf>,
     loaded: Mutex<HashMap<(usize, String), CudaFunction>>,
+    /// The hot-path memo in front of `loaded`: keyed by the spec itself (the source by address,
+    /// since sources are `'static` `include_str!`s), so a launch that finds its kernel here hashes
+    /// a few short strings instead of the whole source. Assumes `CUDA_HOME` does not change while
+    /// the process runs (it is part of the full key, not of this one).
+    memo: Mutex<HashMap<MemoKey, CudaFunction>>,
+}
+
+/// (device ordinal, family, entry, source address and length, defines).
+type MemoKey = (
+    usize,
+    &'static str,
+    String,
+    usize,
+    usize,
+    Vec<(String, String)>,
+);
+
+fn memo_key(backend: &CudaBackend, spec: &KernelSpec<'_>) -> MemoKey {
+    (
+        backend.ordinal(),
+        spec.family,
+        spec.entry.to_string(),
+        spec.source.as_ptr() as usize,
+        spec.source.len(),
+        spec.defines
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect(),
+    )
 }
 
 impl std::fmt::Debug for KernelCache {
@@ -83,6 +112,44 @@ impl std::fmt::Debug for KernelCache {
             .field("dir", &self.dir)
             .finish_non_exhaustive()
     }
+}
+
+thread_local! {
+    /// The launch trace of [`trace_launches`] on this thread, while one runs.
+    static TRACE: std::cell::RefCell<Option<Vec<String>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` and returns, with its result, the kernels a [`KernelCache`] was asked for on this
+/// thread while it ran, in order, each as `family/entry` followed by its defines
+/// (`[MODE=1,BM=64]`, omitted when there are none). Every launch of fmoe's kernels loads its
+/// function through the cache right before launching it (work is issued on the calling thread),
+/// so this is the launch sequence of `f`: a test and debugging aid (e.g. which kernel family a MoE
+/// layer really ran). Costs one thread-local lookup per launch while no trace is active.
+pub fn trace_launches<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
+    let outer = TRACE.with(|t| t.borrow_mut().replace(Vec::new()));
+    let r = f();
+    let launches = TRACE
+        .with(|t| std::mem::replace(&mut *t.borrow_mut(), outer))
+        .unwrap_or_default();
+    TRACE.with(|t| {
+        if let Some(o) = t.borrow_mut().as_mut() {
+            o.extend(launches.iter().cloned());
+        }
+    });
+    (r, launches)
+}
+
+fn record_launch(family: &str, entry: &str, defines: &[(&str, String)]) {
+    TRACE.with(|t| {
+        if let Some(v) = t.borrow_mut().as_mut() {
+            let mut name = format!("{family}/{entry}");
+            if !defines.is_empty() {
+                let d: Vec<String> = defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                name.push_str(&format!("[{}]", d.join(",")));
+            }
+            v.push(name);
+        }
+    });
 }
 
 /// Compiles (or finds in the caches) `entry` of `source` for `backend`'s device, through the
@@ -110,6 +177,7 @@ impl KernelCache {
         KernelCache {
             dir,
             loaded: Mutex::new(HashMap::new()),
+            memo: Mutex::new(HashMap::new()),
         }
     }
 
@@ -136,15 +204,35 @@ impl KernelCache {
         spec: &KernelSpec<'_>,
     ) -> Result<(CudaFunction, Origin)> {
         let family = spec.family;
+        record_launch(family, spec.entry, spec.defines);
+        let fast = memo_key(backend, spec);
+        if let Some(f) = self
+            .memo
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&fast)
+        {
+            return Ok((f.clone(), Origin::Memory));
+        }
         let (major, minor) = nvrtc_version().map_err(|e| with_family(e, family))?;
         let options = options(backend.compute_capability(), &cuda_home(), spec.defines);
         let key = cache_key(spec, &options, (major, minor));
         let map_key = (backend.ordinal(), key.clone());
-        if let Some(f) = self.lock().get(&map_key) {
-            return Ok((f.clone(), Origin::Memory));
-        }
-        let (function, origin) = self.load_uncached(backend, spec, &options, &key)?;
-        let function = self.lock().entry(map_key).or_insert(function).clone();
+        let found = self.lock().get(&map_key).cloned();
+        let (function, origin) = match found {
+            Some(f) => (f, Origin::Memory),
+            None => {
+                let (function, origin) = self.load_uncached(backend, spec, &options, &key)?;
+                (
+                    self.lock().entry(map_key).or_insert(function).clone(),
+                    origin,
+                )
+            }
+        };
+        self.memo
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(fast, function.clone());
         Ok((function, origin))
     }
 
@@ -528,6 +616,17 @@ mod tests {
         let mut s = spec(&d);
         s.entry = "fmoe_demo2";
         assert_ne!(k, cache_key(&s, &o, (13, 0)));
+    }
+
+    #[test]
+    fn launch_traces_nest_and_record_defines() {
+        let ((), outer) = trace_launches(|| {
+            record_launch("a", "f", &[]);
+            let ((), inner) = trace_launches(|| record_launch("b", "g", &[("MODE", "1".into())]));
+            assert_eq!(inner, ["b/g[MODE=1]"]);
+        });
+        assert_eq!(outer, ["a/f", "b/g[MODE=1]"]);
+        record_launch("c", "h", &[]); // no trace active: nothing recorded, no panic
     }
 
     #[test]

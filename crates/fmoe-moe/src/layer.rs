@@ -1,5 +1,7 @@
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::elementwise;
+use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 
 use crate::dispatch::{self, KernelChoice};
@@ -28,6 +30,11 @@ pub struct FusedMoe {
 
 impl FusedMoe {
     /// Creates the method, resolves the kernel from `switches`, and processes the weights for it.
+    ///
+    /// Checkpoint tensors (and the bias) are moved to `device` first (a no-op for tensors already
+    /// there). Dense weights given to an fp8 method are quantized on `device` (on CUDA: bf16 or
+    /// f32 weights). On CUDA the fp8 methods need an sm_90 GPU: elsewhere their forward is an
+    /// error naming it.
     pub fn new(
         config: MoeConfig,
         scheme: QuantScheme,
@@ -38,6 +45,9 @@ impl FusedMoe {
         device: Device,
     ) -> Result<FusedMoe> {
         config.validate()?;
+        let experts = experts.to_device(device)?;
+        let shared = shared.map(|s| s.to_device(device)).transpose()?;
+        let bias = bias.map(|b| b.to_device(device)).transpose()?;
         let choice = dispatch::resolve(switches, scheme, device)?;
         dispatch::log_choice_once(scheme, device, &choice);
         let dims = (config.num_experts, config.hidden, config.intermediate);
@@ -102,6 +112,10 @@ impl FusedMoe {
     }
 
     /// Routes `router_logits` [M, E] and runs the layer on `x` [M, K].
+    ///
+    /// On CUDA: the output is issued on the device's stream and not waited for; routing (Mixtral's
+    /// `topk_softmax`) waits once for its non-finite-logit flag. `hidden_states` is not scanned
+    /// for NaN/Inf there (see [`Self::forward_routed`]).
     pub fn forward(&self, x: &Tensor, router_logits: &Tensor) -> Result<Tensor> {
         self.check_input(x)?;
         router_logits.expect_dims(OP, "router_logits", &[x.dims()[0], self.config.num_experts])?;
@@ -110,31 +124,42 @@ impl FusedMoe {
     }
 
     /// Runs the layer with a routing decided elsewhere.
+    ///
+    /// On CUDA nothing here waits for the device: the NaN/Inf scan of `hidden_states` is skipped
+    /// (non-finite inputs propagate to their token's output; with fp8 per-tensor activations
+    /// to every token's, since they share the scale), the fp8 quantization kernels' NaN/Inf flags
+    /// are not read (see [`Self::forward_routed_deferred`]), and expert ids are not checked
+    /// against E (an id `>= E` contributes nothing to its token; validate an external routing with
+    /// `fmoe_kernels::moe_align::align_routes(..)?.check()`, which synchronizes).
     pub fn forward_routed(&self, x: &Tensor, topk: &TopK) -> Result<Tensor> {
+        Ok(self.forward_routed_deferred(x, topk)?.0)
+    }
+
+    /// [`Self::forward_routed`], also returning the NaN/Inf check of the batch's dynamic fp8
+    /// quantizations (activations, intermediate): call [`FiniteCheck::check`] where the caller
+    /// synchronizes anyway (it reads a few device words: one synchronization). Nothing is pending
+    /// on the CPU or for unquantized layers.
+    pub fn forward_routed_deferred(
+        &self,
+        x: &Tensor,
+        topk: &TopK,
+    ) -> Result<(Tensor, FiniteCheck)> {
         self.check_input(x)?;
         check_topk(x, topk)?;
-        let y = self.method.apply(x, topk, self.choice.family)?;
+        let (y, mut check) = self.method.apply_deferred(x, topk, self.choice.family)?;
         let Some(shared) = &self.shared else {
-            return Ok(y);
+            return Ok((y, check));
         };
         let m = x.dims()[0];
+        // Memsets on CUDA: nothing is uploaded per batch.
         let all = TopK {
-            ids: Tensor::from_vec(vec![0u32; m], [m, 1], &self.device)?,
-            weights: Tensor::from_vec(vec![1.0f32; m], [m, 1], &self.device)?,
+            ids: Tensor::zeros([m, 1], DType::U32, &self.device)?,
+            weights: Tensor::full([m, 1], DType::F32, 1.0, &self.device)?,
         };
-        let s = shared.method.apply(x, &all, self.choice.family)?;
-        let sum: Vec<f32> = y
-            .to_f32_vec()?
-            .iter()
-            .zip(s.to_f32_vec()?)
-            .map(|(a, b)| a + b)
-            .collect();
-        Ok(Tensor::from_f32(
-            &sum,
-            y.shape().clone(),
-            x.dtype(),
-            &self.device,
-        )?)
+        let (s, c) = shared.method.apply_deferred(x, &all, self.choice.family)?;
+        check.merge(c);
+        // y + s in f32, rounded once to x's dtype (a kernel on CUDA).
+        Ok((elementwise::add(&y, &s)?, check))
     }
 
     fn check_input(&self, x: &Tensor) -> Result<()> {
@@ -142,6 +167,11 @@ impl FusedMoe {
         x.expect_dims(OP, "hidden_states", &[x.dims()[0], self.config.hidden])?;
         x.expect_dtype(OP, "hidden_states", &[DType::BF16, DType::F16, DType::F32])?;
         x.expect_device(OP, "hidden_states", self.device)?;
+        // On CUDA the scan would download the whole input and wait for the device on every batch,
+        // so it is skipped there: a NaN or Inf input propagates to the outputs of its token.
+        if !self.device.is_cpu() {
+            return Ok(());
+        }
         // A NaN or Inf would poison every expert it reaches; refuse it here with its position.
         if let Some((index, value)) = x
             .to_f32_vec()?

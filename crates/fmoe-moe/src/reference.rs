@@ -30,7 +30,8 @@ fn act_values(a: &ActOperand) -> Result<Vec<f64>> {
     Ok(match a {
         ActOperand::Plain(_) => data,
         ActOperand::Fp8PerTensor { scale, .. } => {
-            data.iter().map(|v| v * f64::from(*scale)).collect()
+            let s = f64::from(scale.to_f32_vec()?[0]);
+            data.iter().map(|v| v * s).collect()
         }
         ActOperand::Fp8Group { scales, .. } => {
             let s = scales.to_f32_vec()?;
@@ -76,6 +77,19 @@ fn expert_values(w: &WeightOperand, e: usize) -> Result<Vec<f64>> {
 
 /// y [M, K] in f64 for `x` [M, K] routed by `topk` through `ops`.
 pub fn moe_f64(x: &Tensor, topk: &TopK, ops: &ExpertOperands) -> Result<Vec<f64>> {
+    moe_f64_h_rounded(x, topk, ops, None)
+}
+
+/// [`moe_f64`] with the intermediate h rounded to `h_dtype` (f64 → f32 → `h_dtype`, round to
+/// nearest even) before it is quantized for GEMM2, when `ops` quantizes activations. This is the
+/// reference with the same operands for the CUDA fp8 per-tensor path, whose GEMM1 writes h in
+/// bf16 and requantizes that (`h_dtype` = bf16); the CPU twins quantize f32 h (`None`).
+pub fn moe_f64_h_rounded(
+    x: &Tensor,
+    topk: &TopK,
+    ops: &ExpertOperands,
+    h_dtype: Option<DType>,
+) -> Result<Vec<f64>> {
     let (m, k) = (x.dims()[0], x.dims()[1]);
     let ids = topk.ids.to_f32_vec()?;
     let weights = topk.weights.to_f32_vec()?;
@@ -112,7 +126,8 @@ pub fn moe_f64(x: &Tensor, topk: &TopK, ops: &ExpertOperands) -> Result<Vec<f64>
         ActQuant::None => h,
         q => {
             let h32: Vec<f32> = h.iter().map(|&v| v as f32).collect();
-            let t = Tensor::from_f32(&h32, [m * top_k, n], DType::F32, &Device::Cpu)?;
+            let dtype = h_dtype.unwrap_or(DType::F32);
+            let t = Tensor::from_f32(&h32, [m * top_k, n], dtype, &Device::Cpu)?;
             act_values(&ActOperand::quantize(&t, q)?)?
         }
     };

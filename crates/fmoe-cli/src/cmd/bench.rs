@@ -1,11 +1,14 @@
 //! `fmoe bench moe`: time every method × kernel family of one MoE layer against the f64 reference.
+//!
+//! On the CPU: wall-clock medians, errors against the f64 reference. On CUDA: see
+//! [`super::bench_cuda`] (device-side data, CUDA events, the roofline floor).
 
 use std::fs::OpenOptions;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::moe_align::align_routes;
@@ -29,7 +32,7 @@ pub enum Bench {
 pub struct MoeArgs {
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
-    device: Device,
+    pub(super) device: Device,
     /// Shapes, comma-separated: mixtral-small, deepseek-small (defaults, seconds on 2 cores) or the
     /// real mixtral-8x7b, mixtral-8x22b, deepseek-v3.
     #[arg(
@@ -37,28 +40,37 @@ pub struct MoeArgs {
         value_delimiter = ',',
         default_value = "mixtral-small,deepseek-small"
     )]
-    shape: Vec<String>,
-    /// Token counts M, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
-    tokens: Vec<usize>,
-    /// Methods (unquantized, fp8-tensor, fp8-block); all by default.
+    pub(super) shape: Vec<String>,
+    /// Token counts M, comma-separated [default: 1,4,16,64 on the CPU;
+    /// 1,2,4,…,8192,16384 (powers of two) on CUDA].
     #[arg(long, value_delimiter = ',')]
-    method: Vec<QuantScheme>,
+    pub(super) tokens: Vec<usize>,
+    /// Methods (unquantized, fp8-tensor, fp8-block); all by default (the fp8 methods need an
+    /// sm_90 GPU on CUDA).
+    #[arg(long, value_delimiter = ',')]
+    pub(super) method: Vec<QuantScheme>,
     /// Kernel families (fused, portable); both by default.
     #[arg(long, value_delimiter = ',', value_parser = parse_family)]
-    kernel: Vec<KernelFamily>,
+    pub(super) kernel: Vec<KernelFamily>,
     /// Append one JSON object per row to this file.
     #[arg(long)]
-    json: Option<PathBuf>,
-    /// Minimum timed seconds per row (at least 3 runs, at most 50).
+    pub(super) json: Option<PathBuf>,
+    /// CPU: minimum timed seconds per row (at least 3 runs, at most 50). CUDA uses fixed run
+    /// counts instead.
     #[arg(long, default_value_t = 0.15)]
-    min_time: f64,
+    pub(super) min_time: f64,
     /// Skip the f64 references (rel_err / quant_err become null); for the real shapes on a CPU.
+    /// On CUDA only the -small shapes get a reference anyway.
     #[arg(long)]
-    no_reference: bool,
+    pub(super) no_reference: bool,
     /// Random seed for weights, activations and router logits.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(super) seed: u64,
+    /// CUDA: read the ceilings (bw_TBps, bf16_TFLOPs; copy_TBps, read_TBps optional) from the first
+    /// JSON object line of this file (e.g. the peers script's first output line, from the same
+    /// device call) instead of measuring them.
+    #[arg(long)]
+    pub(super) ceilings_json: Option<PathBuf>,
 }
 
 fn parse_family(s: &str) -> Result<KernelFamily, String> {
@@ -69,12 +81,12 @@ fn parse_family(s: &str) -> Result<KernelFamily, String> {
 }
 
 /// A benchmark shape: one MoE layer.
-struct Shape {
-    name: &'static str,
-    experts: usize,
-    hidden: usize,
-    intermediate: usize,
-    top_k: usize,
+pub(super) struct Shape {
+    pub(super) name: &'static str,
+    pub(super) experts: usize,
+    pub(super) hidden: usize,
+    pub(super) intermediate: usize,
+    pub(super) top_k: usize,
 }
 
 const SHAPES: &[Shape] = &[
@@ -115,41 +127,67 @@ const SHAPES: &[Shape] = &[
     },
 ];
 
+/// One JSON row. The fields after `speedup_vs_portable` exist on CUDA rows only (omitted on the
+/// CPU).
 #[derive(Serialize)]
-struct Row {
-    date: String,
-    device: String,
-    shape: String,
-    method: String,
-    kernel: String,
-    tokens: usize,
-    experts: usize,
-    hidden: usize,
-    intermediate: usize,
-    top_k: usize,
-    experts_touched: usize,
-    ms: f64,
-    iters: usize,
-    gb_per_s: f64,
-    gflop_per_s: f64,
-    bytes: usize,
-    flops: f64,
-    rel_err: Option<f64>,
-    quant_err: Option<f64>,
+pub(super) struct Row {
+    pub(super) date: String,
+    pub(super) device: String,
+    pub(super) shape: String,
+    pub(super) method: String,
+    pub(super) kernel: String,
+    pub(super) tokens: usize,
+    pub(super) experts: usize,
+    pub(super) hidden: usize,
+    pub(super) intermediate: usize,
+    pub(super) top_k: usize,
+    pub(super) experts_touched: usize,
+    pub(super) ms: f64,
+    pub(super) iters: usize,
+    pub(super) gb_per_s: f64,
+    pub(super) gflop_per_s: f64,
+    pub(super) bytes: usize,
+    pub(super) flops: f64,
+    pub(super) rel_err: Option<f64>,
+    pub(super) quant_err: Option<f64>,
     /// portable ms / fused ms, on fused rows measured beside a portable row.
-    speedup_vs_portable: Option<f64>,
+    pub(super) speedup_vs_portable: Option<f64>,
+    /// CUDA rows only (absent from CPU rows).
+    #[serde(flatten)]
+    pub(super) cuda: Option<CudaFields>,
+}
+
+/// The fields a CUDA row adds (missing values are null).
+#[derive(Serialize)]
+pub(super) struct CudaFields {
+    pub(super) gpu: String,
+    /// max(bytes / bw_TBps, flops / GEMM rate), ms, the rate being bf16_TFLOPs for unquantized
+    /// rows and fp8_TFLOPs for fp8 rows; null without that ceiling.
+    pub(super) floor_ms: Option<f64>,
+    /// ms / floor_ms.
+    pub(super) x_floor: Option<f64>,
+    #[serde(rename = "copy_TBps")]
+    pub(super) copy_tbps: Option<f64>,
+    #[serde(rename = "read_TBps")]
+    pub(super) read_tbps: Option<f64>,
+    /// The bandwidth the floor uses: max(copy, read).
+    #[serde(rename = "bw_TBps")]
+    pub(super) bw_tbps: Option<f64>,
+    #[serde(rename = "bf16_TFLOPs")]
+    pub(super) bf16_tflops: Option<f64>,
+    /// The fp8 GEMM rate the fp8 rows' floor uses (from `--ceilings-json` only).
+    #[serde(rename = "fp8_TFLOPs")]
+    pub(super) fp8_tflops: Option<f64>,
+    /// Where the ceilings come from.
+    pub(super) ceilings: String,
+    /// Fused rows: relative 2-norm difference between the fused and the portable output.
+    pub(super) fused_vs_portable: Option<f64>,
 }
 
 pub fn run(b: Bench) -> Result<()> {
     let Bench::Moe(args) = b;
     FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
     let device = super::require_device(args.device)?;
-    if !device.is_cpu() {
-        // The backend and the CUDA sources exist; the layer's GEMM families are not wired to them yet.
-        bail!(
-            "fmoe bench moe: the MoE GEMMs have no CUDA path in the layer yet; the CUDA kernels are benchmarked by bench/gpu/moe_bf16_cupy.py"
-        );
-    }
     let shapes = args
         .shape
         .iter()
@@ -160,9 +198,11 @@ pub fn run(b: Bench) -> Result<()> {
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    if args.tokens.is_empty() {
-        bail!("--tokens needs at least one token count");
-    }
+    let tokens: Vec<usize> = match (args.tokens.is_empty(), device) {
+        (false, _) => args.tokens.clone(),
+        (true, Device::Cpu) => vec![1, 4, 16, 64],
+        (true, Device::Cuda(_)) => super::bench_cuda::DEFAULT_TOKENS.to_vec(),
+    };
     let methods = if args.method.is_empty() {
         QuantScheme::ALL.to_vec()
     } else {
@@ -183,12 +223,20 @@ pub fn run(b: Bench) -> Result<()> {
         ),
         None => None,
     };
-    let total = shapes.len() * methods.len() * args.tokens.len() * families.len();
+    let total = shapes.len() * methods.len() * tokens.len() * families.len();
     let bar = ProgressBar::new(total as u64).with_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let date = today();
+    if let Device::Cuda(_) = device {
+        let rows = super::bench_cuda::run(
+            &args, device, &shapes, &methods, &families, &tokens, &mut json, &date, &bar,
+        )?;
+        bar.finish_and_clear();
+        print_table(&rows);
+        return Ok(());
+    }
     let mut rows = Vec::new();
     for shape in &shapes {
         let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -221,7 +269,7 @@ pub fn run(b: Bench) -> Result<()> {
                     FusedMoe::new(config.clone(), scheme, experts, None, None, &sw, device)
                 })
                 .collect::<fmoe_moe::Result<Vec<_>>>()?;
-            for &m in &args.tokens {
+            for &m in &tokens {
                 let x = randn_tensor(&mut rng, [m, k], 1.0)?.to_dtype(DType::BF16)?;
                 let logits = randn_tensor(&mut rng, [m, e], 1.0)?;
                 let topk = topk_softmax(&logits, shape.top_k, true)?;
@@ -275,6 +323,7 @@ pub fn run(b: Bench) -> Result<()> {
                         rel_err: rel,
                         quant_err: quant,
                         speedup_vs_portable: None,
+                        cuda: None,
                     };
                     if family == KernelFamily::Fused {
                         fused_rows.push(rows.len());
@@ -332,7 +381,8 @@ fn randn_tensor<const R: usize>(
 }
 
 fn print_table(rows: &[Row]) {
-    println!(
+    let cuda = rows.iter().any(|r| r.cuda.is_some());
+    print!(
         "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
         "shape",
         "method",
@@ -346,9 +396,14 @@ fn print_table(rows: &[Row]) {
         "quant_err",
         "speedup"
     );
+    if cuda {
+        print!(" {:>9} {:>7} {:>9}", "floor_ms", "xfloor", "f_vs_p");
+    }
+    println!();
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$e}"));
+    let fixed = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     for r in rows {
-        println!(
+        print!(
             "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10.3} {:>8.2} {:>9.2} {:>9} {:>9} {:>8}",
             r.shape,
             r.method,
@@ -363,6 +418,15 @@ fn print_table(rows: &[Row]) {
             r.speedup_vs_portable
                 .map_or("-".to_string(), |s| format!("{s:.2}x")),
         );
+        if let Some(c) = &r.cuda {
+            print!(
+                " {:>9} {:>7} {:>9}",
+                fixed(c.floor_ms, 3),
+                fixed(c.x_floor, 2),
+                opt(c.fused_vs_portable, 1)
+            );
+        }
+        println!();
     }
 }
 

@@ -1,4 +1,6 @@
 pub mod bench;
+mod bench_cuda;
+pub mod generate;
 pub mod kernels;
 
 use anyhow::Result;

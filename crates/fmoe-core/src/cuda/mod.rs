@@ -47,6 +47,7 @@ pub struct CudaBackend {
     compute_capability: (u32, u32),
     name: String,
     stream_ordered_pool: bool,
+    multiprocessors: u32,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -78,6 +79,11 @@ impl CudaBackend {
     /// The device's marketing name, e.g. "NVIDIA H200".
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Streaming multiprocessors (132 on an H200): what launch heuristics (split-K) size waves by.
+    pub fn multiprocessor_count(&self) -> u32 {
+        self.multiprocessors
     }
 
     /// Whether allocations are stream-ordered from a memory pool that keeps freed blocks (see the
@@ -155,6 +161,9 @@ impl CudaBackend {
         let stream = context
             .new_stream()
             .map_err(|e| unusable("creating the stream", e))?;
+        let multiprocessors = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| unusable("querying the multiprocessor count", e))?;
         let stream_ordered_pool = context.has_async_alloc();
         if stream_ordered_pool {
             keep_freed_memory_in_pool(&context)
@@ -170,6 +179,7 @@ impl CudaBackend {
             ),
             name,
             stream_ordered_pool,
+            multiprocessors: u32::try_from(multiprocessors).unwrap_or(1).max(1),
         };
         tracing::debug!(
             "CUDA backend cuda:{ordinal}: {} (sm_{major}{minor}), stream-ordered pool: {stream_ordered_pool}",

@@ -142,6 +142,41 @@ impl CudaStorage {
             .map_err(|e| cuda_error("CudaStorage::fill_bytes", e))
     }
 
+    /// Sets every element to `value` converted to this storage's dtype (round to nearest even;
+    /// fp8 saturates; u32 takes `value as u32`): one stream-ordered `cuMemsetD8/16/32Async` of the
+    /// element's bit pattern, no kernel and no host synchronization.
+    pub fn fill(&mut self, value: f32) -> Result<()> {
+        const OP: &str = "CudaStorage::fill";
+        if self.len == 0 {
+            return Ok(());
+        }
+        let bits = match CpuStorage::from_f32_slice(&[value], self.dtype) {
+            CpuStorage::F32(v) => v.first().map(|x| u64::from(x.to_bits())),
+            CpuStorage::U32(v) => v.first().map(|&x| u64::from(x)),
+            CpuStorage::BF16(v) => v.first().map(|x| u64::from(x.to_bits())),
+            CpuStorage::F16(v) => v.first().map(|x| u64::from(x.to_bits())),
+            CpuStorage::F8E4M3(v) => v.first().map(|x| u64::from(x.to_bits())),
+        }
+        .unwrap_or(0);
+        let len = self.len;
+        let size = self.dtype.size_in_bytes();
+        let stream = self.backend.stream().clone();
+        let buf = self.buffer_mut()?;
+        let (ptr, _record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &stream);
+        use cudarc::driver::sys;
+        // SAFETY: `ptr` is this live allocation, at least `len * size` bytes long, allocated on
+        // `stream`; each call writes exactly `len` elements of `size` bytes, and every bit
+        // pattern is a valid value of every dtype.
+        let r = unsafe {
+            match size {
+                4 => sys::cuMemsetD32Async(ptr, bits as u32, len, stream.cu_stream()),
+                2 => sys::cuMemsetD16Async(ptr, bits as u16, len, stream.cu_stream()),
+                _ => sys::cuMemsetD8Async(ptr, bits as u8, len, stream.cu_stream()),
+            }
+        };
+        r.result().map_err(|e| cuda_error(OP, e))
+    }
+
     /// A new buffer holding elements `range` of this one (a device-to-device copy).
     pub fn copy_range(&self, range: Range<usize>) -> Result<CudaStorage> {
         const OP: &str = "CudaStorage::copy_range";
@@ -335,6 +370,16 @@ mod tests {
 
             let z = Tensor::zeros([5, 3], dtype, &cuda).unwrap();
             assert_eq!(z.to_f32_vec().unwrap(), vec![0.0; 15]);
+            // A memset of the element's bit pattern, for every element width.
+            let f = Tensor::full([7], dtype, 1.5, &cuda).unwrap();
+            assert_eq!(
+                f.to_f32_vec().unwrap(),
+                Tensor::full([7], dtype, 1.5, &Device::Cpu)
+                    .unwrap()
+                    .to_f32_vec()
+                    .unwrap(),
+                "{dtype}"
+            );
             let err = gpu.cpu_storage("op_x", "t").unwrap_err();
             assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
         }

@@ -47,9 +47,11 @@ pub(super) fn align_routes(
         block_experts: Tensor::from_vec(block_experts, [total / block_m], &cpu)?,
         expert_offsets: Tensor::from_vec(offsets, [num_experts + 1], &cpu)?,
         expert_counts: Tensor::from_vec(counts, [num_experts], &cpu)?,
+        total: Tensor::from_vec(vec![total as u32], [1], &cpu)?,
         num_routes,
         num_experts,
         block_m,
+        pending_check: None,
     })
 }
 
@@ -73,6 +75,8 @@ mod tests {
             &[0, 4, 6, 8, 8]
         );
         assert_eq!(a.experts_touched().unwrap(), 3);
+        assert_eq!(a.total_host().unwrap(), 8);
+        a.check().unwrap();
     }
 
     #[test]

@@ -1,14 +1,28 @@
 //! `moe_align`: group the routes of a batch by expert and pad each expert's run to the GEMM's M tile.
 //!
 //! A route is one (token, slot) pair of the top-k selection, numbered `r = token * top_k + slot`.
-//! [`align_routes`] returns the routes sorted by expert (stable: ascending route within an expert),
-//! each expert's run padded to a multiple of `block_m` with the sentinel [`AlignedRoutes::pad`]
-//! (= number of routes), and the expert of every `block_m` block, so a grouped GEMM can give each
-//! block to one expert. Experts with no routes get no blocks.
+//! [`align_routes`] returns the routes sorted by expert, each expert's run padded to a multiple of
+//! `block_m` with the sentinel [`AlignedRoutes::pad`] (= number of routes), and the expert of every
+//! `block_m` block, so a grouped GEMM can give each block to one expert. Experts with no routes get
+//! no blocks.
+//!
+//! # CPU and CUDA
+//! - CPU: exact sizes, computed on the host. Routes keep ascending order inside an expert. An
+//!   expert id `>= num_experts` is an [`Error::ExpertId`] right away.
+//! - CUDA (`cuda/moe_align.cu`, one thread block, `BLOCK_M` = `block_m`): nothing is read back,
+//!   so the host never waits. The outputs are sized for the worst case,
+//!   [`capacity`]`(num_routes, num_experts, block_m)` slots, and the padded length actually used
+//!   is the device scalar [`AlignedRoutes::total`]: slots past it hold `pad` and their blocks the
+//!   expert `num_experts`, and GEMM blocks past it exit at once. Route order inside an expert is
+//!   unspecified (atomics). An expert id `>= num_experts` is dropped from the alignment (that route
+//!   contributes nothing downstream) and raises a device flag; [`AlignedRoutes::check`] reads it
+//!   (one synchronization, not done on the hot path) and returns the CPU twin's
+//!   [`Error::ExpertId`] for the first bad route.
 
 mod cpu;
+mod cuda;
 
-use fmoe_core::{DType, Storage, Tensor};
+use fmoe_core::{DType, Device, Storage, Tensor};
 
 use crate::{Error, Result};
 
@@ -17,17 +31,25 @@ const OP: &str = "moe_align";
 /// Routes sorted by expert and padded to `block_m`.
 #[derive(Clone, Debug)]
 pub struct AlignedRoutes {
-    /// u32 [num_padded]: route indices grouped by expert; padding slots hold `pad`.
+    /// u32 `[slots]`: route indices grouped by expert; padding slots hold `pad`. On the CPU
+    /// `slots` is the padded total; on CUDA it is the worst-case [`capacity`] and the slots from
+    /// [`Self::total`] on hold `pad`.
     pub sorted_routes: Tensor,
-    /// u32 [num_padded / block_m]: the expert of each block.
+    /// u32 `[slots / block_m]`: the expert of each block (`num_experts` for blocks past `total`).
     pub block_experts: Tensor,
     /// u32 [num_experts + 1]: start of each expert's run in `sorted_routes` (padded offsets).
     pub expert_offsets: Tensor,
     /// u32 [num_experts]: routes each expert received (before padding).
     pub expert_counts: Tensor,
+    /// u32 [1]: the padded length in use (`expert_offsets[num_experts]`), on the routes' device;
+    /// on the CPU equal to `sorted_routes`' length.
+    pub total: Tensor,
     pub num_routes: usize,
     pub num_experts: usize,
     pub block_m: usize,
+    /// CUDA only: the ids aligned and the kernel's u32 [1] flag (non-zero: an id was out of
+    /// range), for [`Self::check`].
+    pending_check: Option<(Tensor, Tensor)>,
 }
 
 impl AlignedRoutes {
@@ -35,14 +57,75 @@ impl AlignedRoutes {
     pub fn pad(&self) -> u32 {
         self.num_routes as u32
     }
-    /// Number of experts that received at least one route.
+
+    /// Slots of `sorted_routes` (≥ the padded total in use).
+    pub fn slots(&self) -> usize {
+        self.sorted_routes.elem_count()
+    }
+
+    pub fn device(&self) -> Device {
+        self.sorted_routes.device()
+    }
+
+    /// Number of experts that received at least one route. On CUDA this downloads the counts (a
+    /// synchronization): for benchmarks and reports, not the hot path.
     pub fn experts_touched(&self) -> Result<usize> {
-        let counts = self.expert_counts.cpu_slice::<u32>(OP, "expert_counts")?;
+        let counts = self.expert_counts.to_device(Device::Cpu)?;
+        let counts = counts.cpu_slice::<u32>(OP, "expert_counts")?;
         Ok(counts.iter().filter(|&&c| c > 0).count())
+    }
+
+    /// The padded total in use (on CUDA a download: a synchronization).
+    pub fn total_host(&self) -> Result<usize> {
+        let t = self.total.to_device(Device::Cpu)?;
+        Ok(t.cpu_slice::<u32>(OP, "total")?
+            .first()
+            .copied()
+            .unwrap_or(0) as usize)
+    }
+
+    /// Reports an expert id out of range as [`Error::ExpertId`] (the first such route). Free on the
+    /// CPU (checked at alignment); on CUDA it reads the kernel's flag, which waits for the device:
+    /// call it where a synchronization happens anyway, or in tests.
+    pub fn check(&self) -> Result<()> {
+        let Some((ids, flag)) = &self.pending_check else {
+            return Ok(());
+        };
+        let flag = flag.to_device(Device::Cpu)?;
+        if flag.cpu_slice::<u32>(OP, "error_flag")?.first() == Some(&0) {
+            return Ok(());
+        }
+        let ids = ids.to_device(Device::Cpu)?;
+        let ids = ids.cpu_slice::<u32>(OP, "topk_ids")?;
+        match ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= self.num_experts)
+        {
+            Some((route, &id)) => Err(Error::ExpertId {
+                op: OP,
+                id,
+                route,
+                experts: self.num_experts,
+            }),
+            None => Err(Error::invalid(
+                OP,
+                "the CUDA kernel flagged an out-of-range expert id, but topk_ids holds none now",
+            )),
+        }
     }
 }
 
-/// Sorts the routes of `topk_ids` (u32 [M, top_k]) by expert, padding each run to `block_m`.
+/// Slots the CUDA alignment reserves for `num_routes` routes: each expert that receives routes
+/// pads its run by at most `block_m - 1`, and at most `min(num_experts, num_routes)` experts
+/// receive any; rounded up to a whole block.
+pub fn capacity(num_routes: usize, num_experts: usize, block_m: usize) -> usize {
+    let bm = block_m.max(1);
+    (num_routes + num_experts.min(num_routes) * (bm - 1)).div_ceil(bm) * bm
+}
+
+/// Sorts the routes of `topk_ids` (u32 [M, top_k]) by expert, padding each run to `block_m`, on
+/// `topk_ids`' device (see the module docs for what differs on CUDA).
 pub fn align_routes(
     topk_ids: &Tensor,
     num_experts: usize,
@@ -57,11 +140,39 @@ pub fn align_routes(
         ));
     }
     match topk_ids.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(s) => cuda::align_routes(topk_ids, s, num_experts, block_m),
         Storage::Cpu(_) => cpu::align_routes(
             topk_ids.cpu_slice::<u32>(OP, "topk_ids")?,
             num_experts,
             block_m,
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn capacity_bounds_every_padding() {
+        assert_eq!(capacity(0, 8, 64), 0);
+        assert_eq!(capacity(1, 256, 64), 64);
+        assert_eq!(capacity(8, 256, 64), 8 * 64);
+        assert_eq!(capacity(2 * 4096, 8, 64), 8192 + 8 * 63 + 8);
+        assert_eq!(capacity(5, 3, 1), 5);
+        // Exhaustively small: the CPU's exact total never exceeds it.
+        for e in 1..5usize {
+            for m in 0..7usize {
+                for bm in [1usize, 2, 3, 4] {
+                    for seed in 0..5u32 {
+                        let ids: Vec<u32> = (0..m as u32)
+                            .map(|i| (i * 7 + seed * 3) % e as u32)
+                            .collect();
+                        let a = cpu::align_routes(&ids, e, bm).unwrap();
+                        assert!(a.slots() <= capacity(m, e, bm), "e={e} m={m} bm={bm}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -48,7 +48,9 @@ impl ActRows {
         let values = to_f32(data.cpu_storage(op, "activations")?);
         let scale = match a {
             ActOperand::Plain(_) => ActScale::One,
-            ActOperand::Fp8PerTensor { scale, .. } => ActScale::Tensor(*scale),
+            ActOperand::Fp8PerTensor { scale, .. } => {
+                ActScale::Tensor(scale.cpu_slice::<f32>(op, "activation_scale")?[0])
+            }
             ActOperand::Fp8Group { scales, .. } => {
                 ActScale::Group(scales.cpu_slice::<f32>(op, "activation_scales")?.to_vec())
             }

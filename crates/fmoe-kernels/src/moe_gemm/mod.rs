@@ -16,20 +16,102 @@
 //!
 //! Activation quantization between the GEMMs (a2) belongs to the caller, so both families see the
 //! same quantized inputs.
+//!
+//! CUDA, both families, no host synchronization:
+//! - `cuda.rs`: bf16 activations and bf16 weights;
+//! - `cuda_fp8.rs` (Hopper, sm_90, only): fp8 per-tensor activations with per-tensor weights, and
+//!   1×128-group activations with 128×128-block weights. GEMM1 quantizes h for GEMM2 in its
+//!   epilogue or right after ([`gemm1_silu_mul_quant`]); the variant and its M tile come from
+//!   [`block_m_for`] ([`Fp8GemmConfig::select`]).
+//!
+//! f16/f32 operands, fp8 mixed with bf16, and fp8 on other GPUs are
+//! [`fmoe_core::Error::Unsupported`] naming what is missing ([`check_device_support`]).
 
 mod cpu;
 mod cpu_portable;
+mod cuda;
+mod cuda_fp8;
 mod operand;
 mod simd;
 
+pub use cuda::{
+    BM as CUDA_BLOCK_M, GEMM as CUDA_GEMM, GEMM1_BN, GEMM2_BN, GemmConfig, GemmKind,
+    K_MULTIPLE as CUDA_K_MULTIPLE, LARGE_TILE_ROUTES_PER_EXPERT, MMA, NTHREADS, SM90_LARGE,
+    SM90_SMALL,
+};
+pub use cuda_fp8::{
+    FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL,
+    Fp8GemmConfig, Fp8Scheme,
+};
 pub use operand::{ActOperand, ActQuant, QBLOCK, WeightOperand};
 
-use fmoe_core::{DType, Storage, Tensor};
+use fmoe_core::{DType, Device, Storage, Tensor};
 
 use crate::moe_align::AlignedRoutes;
+use crate::quant_fp8::FiniteCheck;
 use crate::{Error, Result};
 
-/// GEMM1 with SiLU⊙mul fused: returns h, f32 [num_routes, N], rows in route order (t * top_k + j).
+/// The `block_m` the fused GEMMs of `device` need from [`crate::moe_align::align_routes`] for a
+/// batch of `num_routes` routes over `experts` experts: on CUDA the M tile of the kernel variant
+/// [`GemmConfig::select`] picks; on the CPU any value works and `cpu_block_m` is used.
+pub fn block_m(
+    device: Device,
+    cpu_block_m: usize,
+    num_routes: usize,
+    experts: usize,
+) -> Result<usize> {
+    match device {
+        Device::Cpu => Ok(cpu_block_m),
+        Device::Cuda(i) => {
+            let cc = fmoe_core::cuda::cuda_backend(i)?.compute_capability();
+            Ok(GemmConfig::select(cc, num_routes, experts).bm)
+        }
+    }
+}
+
+/// The `block_m` the fused GEMMs need for weights `w13` (its operand kind picks the kernel): on
+/// CUDA the M tile of [`GemmConfig::select`] (bf16) or [`Fp8GemmConfig::select`] (fp8: 64 or 128
+/// per-tensor, 64 block-scaled); on the CPU `cpu_block_m`.
+pub fn block_m_for(
+    device: Device,
+    cpu_block_m: usize,
+    num_routes: usize,
+    experts: usize,
+    w13: &WeightOperand,
+) -> Result<usize> {
+    let scheme = match w13 {
+        WeightOperand::Plain(_) => return block_m(device, cpu_block_m, num_routes, experts),
+        WeightOperand::Fp8PerTensor { .. } => Fp8Scheme::PerTensor,
+        WeightOperand::Fp8Block { .. } => Fp8Scheme::Block,
+    };
+    match device {
+        Device::Cpu => Ok(cpu_block_m),
+        Device::Cuda(_) => Ok(Fp8GemmConfig::select(scheme, num_routes, experts).bm),
+    }
+}
+
+/// Ok when `device` has kernels for these operands. On the CPU every operand is supported; on CUDA
+/// bf16 weights with unquantized activations are, and fp8 weights with their scheme's activation
+/// quantization on an sm_90 device; anything else is an [`fmoe_core::Error::Unsupported`] naming
+/// the missing CUDA kernel. The MoE layer calls it before quantizing activations, so the error
+/// names the kernels rather than the first one reached.
+pub fn check_device_support(
+    device: Device,
+    act_quant: ActQuant,
+    w13: &WeightOperand,
+    w2: &WeightOperand,
+) -> Result<()> {
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Cuda(_) => cuda::check_support("moe_gemm", device, act_quant, w13, w2),
+    }
+}
+
+/// GEMM1 with SiLU⊙mul fused: returns h [num_routes, N], rows in route order (t * top_k + j):
+/// f32 on the CPU; bf16 on CUDA (the kernel rounds h once in its epilogue, as the GEMM2 operand).
+/// On CUDA: bf16 `a` and `w13` with K a multiple of 8, or fp8 per-tensor operands with K and N
+/// multiples of 16 (the block-scaled kernel only writes h quantized: use
+/// [`gemm1_silu_mul_quant`]); routes aligned with the variant's `block_m` ([`block_m_for`]).
 pub fn gemm1_silu_mul(
     a: &ActOperand,
     routes: &AlignedRoutes,
@@ -47,13 +129,59 @@ pub fn gemm1_silu_mul(
     let rows = a.check(OP, "a1", k)?;
     check_routes(OP, routes, rows * top_k, e)?;
     match a.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(_) => cuda::gemm1_silu_mul(OP, a, routes, top_k, w13),
         Storage::Cpu(_) => cpu::gemm1_silu_mul(a, routes, top_k, w13),
     }
 }
 
+/// GEMM1 with SiLU⊙mul fused and h quantized as `a2_quant` says: returns the GEMM2 operand (rows
+/// in route order) and the NaN/Inf check of that quantization (nothing pending on the CPU, which
+/// reports it at once).
+///
+/// - CPU: [`gemm1_silu_mul`] (f32 h), then [`ActOperand::quantize_deferred`].
+/// - CUDA, bf16: [`gemm1_silu_mul`]'s bf16 h as is (`a2_quant` must be `None`).
+/// - CUDA, fp8 per-tensor: GEMM1 writes bf16 h and the amax of |h| (atomics in its epilogue), then
+///   one cast pass quantizes h with it: the bf16-rounded h is quantized, where the CPU quantizes
+///   its f32 h (codes may differ by one step where that rounding crosses a boundary).
+/// - CUDA, fp8 block: GEMM1 writes h's e4m3 codes and 1×128 group scales directly (quantized from
+///   f32 h, as on the CPU).
+pub fn gemm1_silu_mul_quant(
+    a: &ActOperand,
+    routes: &AlignedRoutes,
+    top_k: usize,
+    w13: &WeightOperand,
+    a2_quant: ActQuant,
+) -> Result<(ActOperand, FiniteCheck)> {
+    const OP: &str = "moe_gemm::gemm1_silu_mul_quant";
+    let (e, two_n, k) = w13.dims(OP, "w13")?;
+    if two_n % 2 != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!("w13 has {two_n} rows; it must stack gate and up rows (2N)"),
+        ));
+    }
+    let rows = a.check(OP, "a1", k)?;
+    check_routes(OP, routes, rows * top_k, e)?;
+    match a.storage() {
+        Storage::Cuda(_) if a2_quant != ActQuant::None || cuda_fp8::is_fp8_weight(w13) => {
+            cuda_fp8::gemm1_quant(OP, a, routes, top_k, w13, a2_quant)
+        }
+        Storage::Cuda(_) => Ok((
+            ActOperand::Plain(cuda::gemm1_silu_mul(OP, a, routes, top_k, w13)?),
+            FiniteCheck::none(),
+        )),
+        Storage::Cpu(_) => {
+            let h = cpu::gemm1_silu_mul(a, routes, top_k, w13)?;
+            ActOperand::quantize_deferred(&h, a2_quant)
+        }
+    }
+}
+
 /// GEMM2 with the routing weight and top-k reduction fused: y_t = Σ_j w_tj · W2_e h_(t·k+j),
-/// f32 [M, K]. `h` holds one row per route; `topk_weights` is f32 [M, top_k].
+/// f32 [M, K]. `h` holds one row per route; `topk_weights` is f32 [M, top_k]. On CUDA: bf16 `h`
+/// and `w2` with N a multiple of 8, or fp8 operands of one scheme with K and N multiples of 16; y
+/// is zeroed on the stream and accumulated with f32 atomics (and split-K partial sums), so the
+/// order of the additions is unspecified.
 pub fn gemm2_weighted_sum(
     h: &ActOperand,
     routes: &AlignedRoutes,
@@ -77,14 +205,23 @@ pub fn gemm2_weighted_sum(
     }
     check_routes(OP, routes, rows, e)?;
     match h.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(_) => cuda::gemm2_weighted_sum(OP, h, routes, topk_weights, w2),
         Storage::Cpu(_) => cpu::gemm2_weighted_sum(h, routes, topk_weights, w2),
     }
 }
 
 /// The unfused baseline: per-expert loop over dequantized weights. `a1` is the (quantized)
 /// input; the intermediate is quantized with `a2_quant`, through the same
-/// [`ActOperand::quantize`] the fused path's caller uses. Returns y, f32 [M, K].
+/// [`ActOperand::quantize`] the fused path's caller uses. Returns y, f32 [M, K]. A NaN/Inf met by
+/// the quantization of the intermediate is an error (on CUDA, for fp8, reading the kernel's flag:
+/// a synchronization; see [`portable_expert_loop_deferred`]).
+///
+/// On CUDA: the fused family's grouped GEMM kernels without fusion, as separate launches with
+/// every intermediate in device memory (alignment, row gather, GEMM1 into f32 [R, 2N],
+/// SiLU⊙mul, for fp8 the requantization of h with the `quant_fp8` kernels, GEMM2 into f32
+/// [R, K], weighted top-k sum); no host synchronization. Expert ids are not validated there (that
+/// needs a synchronization): an id `>= E` contributes nothing; see
+/// [`crate::moe_align::AlignedRoutes::check`].
 pub fn portable_expert_loop(
     a1: &ActOperand,
     topk_ids: &Tensor,
@@ -93,6 +230,21 @@ pub fn portable_expert_loop(
     w2: &WeightOperand,
     a2_quant: ActQuant,
 ) -> Result<Tensor> {
+    let (y, check) = portable_expert_loop_deferred(a1, topk_ids, topk_weights, w13, w2, a2_quant)?;
+    check.check()?;
+    Ok(y)
+}
+
+/// [`portable_expert_loop`], returning the NaN/Inf check of the intermediate's quantization
+/// instead of waiting for it on CUDA.
+pub fn portable_expert_loop_deferred(
+    a1: &ActOperand,
+    topk_ids: &Tensor,
+    topk_weights: &Tensor,
+    w13: &WeightOperand,
+    w2: &WeightOperand,
+    a2_quant: ActQuant,
+) -> Result<(Tensor, FiniteCheck)> {
     const OP: &str = "moe_gemm::portable_expert_loop";
     let (e, two_n, k) = w13.dims(OP, "w13")?;
     let (e2, k2, n) = w2.dims(OP, "w2")?;
@@ -116,8 +268,21 @@ pub fn portable_expert_loop(
         ));
     }
     match a1.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
-        Storage::Cpu(_) => cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant),
+        Storage::Cuda(s) => {
+            cuda::check_support(OP, s.device(), a2_quant, w13, w2)?;
+            if cuda_fp8::is_fp8_act(a1) || cuda_fp8::is_fp8_weight(w13) {
+                cuda_fp8::portable(OP, a1, topk_ids, topk_weights, w13, w2, a2_quant)
+            } else {
+                Ok((
+                    cuda::portable(OP, a1, topk_ids, topk_weights, w13, w2)?,
+                    FiniteCheck::none(),
+                ))
+            }
+        }
+        Storage::Cpu(_) => Ok((
+            cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant)?,
+            FiniteCheck::none(),
+        )),
     }
 }
 

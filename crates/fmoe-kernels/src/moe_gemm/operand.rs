@@ -1,8 +1,8 @@
 //! GEMM operands as data: what is stored, and which scales turn it back into real values.
 
-use fmoe_core::{DType, Storage, Tensor};
+use fmoe_core::{DType, Device, Storage, Tensor};
 
-use crate::quant_fp8;
+use crate::quant_fp8::{self, FiniteCheck};
 use crate::{Error, Result};
 
 /// Width of activation scale groups and weight scale blocks (DeepSeek-V3's 1×128 and 128×128).
@@ -23,24 +23,66 @@ pub enum ActQuant {
 #[derive(Clone, Debug)]
 pub enum ActOperand {
     Plain(Tensor),
-    Fp8PerTensor { q: Tensor, scale: f32 },
-    Fp8Group { q: Tensor, scales: Tensor },
+    /// e4m3 codes with one dynamic scale: `scale` is f32 `[1]` on the codes' device (on CUDA it is
+    /// written by a kernel and never read by the host).
+    Fp8PerTensor {
+        q: Tensor,
+        scale: Tensor,
+    },
+    /// e4m3 codes with one scale per row and 128 columns: `scales` f32 [rows, ceil(K/128)].
+    Fp8Group {
+        q: Tensor,
+        scales: Tensor,
+    },
 }
 
 impl ActOperand {
     /// Quantizes `x` [rows, K] as `scheme` says. Both kernel families and the references use this.
+    /// NaN/Inf in `x` is an error on every device (on CUDA reading the kernel's flag is a
+    /// synchronization: the MoE layer uses [`Self::quantize_deferred`]).
     pub fn quantize(x: &Tensor, scheme: ActQuant) -> Result<ActOperand> {
+        let (a, check) = ActOperand::quantize_deferred(x, scheme)?;
+        check.check()?;
+        Ok(a)
+    }
+
+    /// [`Self::quantize`], returning the NaN/Inf check instead of waiting for it on CUDA (nothing
+    /// is pending on the CPU, which reports non-finite input at once).
+    pub fn quantize_deferred(x: &Tensor, scheme: ActQuant) -> Result<(ActOperand, FiniteCheck)> {
         Ok(match scheme {
-            ActQuant::None => ActOperand::Plain(x.clone()),
+            ActQuant::None => (ActOperand::Plain(x.clone()), FiniteCheck::none()),
             ActQuant::Fp8PerTensor => {
-                let (q, scale) = quant_fp8::quantize_per_tensor(x)?;
-                let scale = scale.to_f32_vec()?.first().copied().unwrap_or(1.0);
-                ActOperand::Fp8PerTensor { q, scale }
+                let (q, scale, check) = quant_fp8::quantize_per_tensor_deferred(x)?;
+                (ActOperand::Fp8PerTensor { q, scale }, check)
             }
             ActQuant::Fp8Group => {
-                let (q, scales) = quant_fp8::quantize_per_token_group(x, QBLOCK)?;
-                ActOperand::Fp8Group { q, scales }
+                let (q, scales, check) = quant_fp8::quantize_per_token_group_deferred(x, QBLOCK)?;
+                (ActOperand::Fp8Group { q, scales }, check)
             }
+        })
+    }
+
+    /// The quantization scheme this operand carries.
+    pub fn scheme(&self) -> ActQuant {
+        match self {
+            ActOperand::Plain(_) => ActQuant::None,
+            ActOperand::Fp8PerTensor { .. } => ActQuant::Fp8PerTensor,
+            ActOperand::Fp8Group { .. } => ActQuant::Fp8Group,
+        }
+    }
+
+    /// The same operand with every tensor on `device`.
+    pub fn to_device(&self, device: Device) -> Result<ActOperand> {
+        Ok(match self {
+            ActOperand::Plain(t) => ActOperand::Plain(t.to_device(device)?),
+            ActOperand::Fp8PerTensor { q, scale } => ActOperand::Fp8PerTensor {
+                q: q.to_device(device)?,
+                scale: scale.to_device(device)?,
+            },
+            ActOperand::Fp8Group { q, scales } => ActOperand::Fp8Group {
+                q: q.to_device(device)?,
+                scales: scales.to_device(device)?,
+            },
         })
     }
 
@@ -76,18 +118,28 @@ impl ActOperand {
             }
             ActOperand::Fp8PerTensor { q, scale } => {
                 q.expect_dtype(op, name, &[DType::F8E4M3])?;
-                if !(scale.is_finite() && *scale > 0.0) {
-                    return Err(Error::invalid(
-                        op,
-                        format!(
-                            "activation scale of `{name}` is {scale}; it must be finite and positive"
-                        ),
-                    ));
+                let scale_name = format!("{name}_scale");
+                scale.expect_dtype(op, &scale_name, &[DType::F32])?;
+                scale.expect_dims(op, &scale_name, &[1])?;
+                scale.expect_device(op, &scale_name, q.device())?;
+                // The value is checked where it is on the host; on CUDA reading it would be a
+                // synchronization (a kernel wrote it from a finite amax, or flagged the input).
+                if let Storage::Cpu(_) = scale.storage() {
+                    let s = scale.cpu_slice::<f32>(op, &scale_name)?[0];
+                    if !(s.is_finite() && s > 0.0) {
+                        return Err(Error::invalid(
+                            op,
+                            format!(
+                                "activation scale of `{name}` is {s}; it must be finite and positive"
+                            ),
+                        ));
+                    }
                 }
             }
             ActOperand::Fp8Group { q, scales } => {
                 q.expect_dtype(op, name, &[DType::F8E4M3])?;
                 scales.expect_dtype(op, &format!("{name}_scales"), &[DType::F32])?;
+                scales.expect_device(op, &format!("{name}_scales"), q.device())?;
                 let want = [rows, cols.div_ceil(QBLOCK)];
                 if scales.dims() != want {
                     return Err(Error::ScaleShape {
@@ -115,6 +167,21 @@ pub enum WeightOperand {
 }
 
 impl WeightOperand {
+    /// The same weights with every tensor on `device` (tensors already there are shared).
+    pub fn to_device(&self, device: Device) -> Result<WeightOperand> {
+        Ok(match self {
+            WeightOperand::Plain(t) => WeightOperand::Plain(t.to_device(device)?),
+            WeightOperand::Fp8PerTensor { q, scales } => WeightOperand::Fp8PerTensor {
+                q: q.to_device(device)?,
+                scales: scales.to_device(device)?,
+            },
+            WeightOperand::Fp8Block { q, scale_inv } => WeightOperand::Fp8Block {
+                q: q.to_device(device)?,
+                scale_inv: scale_inv.to_device(device)?,
+            },
+        })
+    }
+
     pub fn data(&self) -> &Tensor {
         match self {
             WeightOperand::Plain(t)
@@ -151,6 +218,7 @@ impl WeightOperand {
             WeightOperand::Fp8PerTensor { q, scales } => {
                 q.expect_dtype(op, name, &[DType::F8E4M3])?;
                 scales.expect_dtype(op, &format!("{name}_scale"), &[DType::F32])?;
+                scales.expect_device(op, &format!("{name}_scale"), q.device())?;
                 if scales.dims() != [e] {
                     return Err(scale_err(format!("{name}_scale"), vec![e], scales));
                 }
@@ -158,6 +226,7 @@ impl WeightOperand {
             WeightOperand::Fp8Block { q, scale_inv } => {
                 q.expect_dtype(op, name, &[DType::F8E4M3])?;
                 scale_inv.expect_dtype(op, &format!("{name}_scale_inv"), &[DType::F32])?;
+                scale_inv.expect_device(op, &format!("{name}_scale_inv"), q.device())?;
                 let want = vec![e, rows.div_ceil(QBLOCK), k.div_ceil(QBLOCK)];
                 if scale_inv.dims() != want.as_slice() {
                     return Err(scale_err(format!("{name}_scale_inv"), want, scale_inv));

@@ -32,9 +32,26 @@
 //! - Dequantization multiplies and does not inspect scale values; NaN codes give NaN.
 //!
 //! Inputs may be f32, bf16 or f16 (converted exactly to f32 first). Codes come back as
-//! [`DType::F8E4M3`] tensors, scales and dequantized values as [`DType::F32`].
+//! [`DType::F8E4M3`] tensors, scales and dequantized values as [`DType::F32`], on the input's
+//! device.
+//!
+//! # CUDA
+//! The dynamic quantizations ([`quantize_per_tensor`], [`quantize_per_token_group`] with
+//! `group` = [`FP8_GROUP`], [`quantize_block`] with [`FP8_BLOCK`]) have a CUDA twin
+//! (`cuda/quant_fp8.cu`) that gives the same codes and scales bit for bit, for bf16 and f32 input
+//! (f16, other group or block sizes, [`quantize_with_scale`] and the dequantizations are
+//! [`fmoe_core::Error::Unsupported`] on CUDA). Outputs stay on the device, scales included.
+//!
+//! NaN/Inf: the kernels set a device flag instead of failing, because reading it is a
+//! synchronization. The `_deferred` functions return it as a [`FiniteCheck`], to be
+//! [checked](FiniteCheck::check) where the caller synchronizes anyway (the MoE layer's hot path
+//! uses these); the plain functions check it before returning, so they report the CPU twin's
+//! [`fmoe_core::Error::NonFinite`] (same index) on every device, at the price of one
+//! synchronization on CUDA. On the CPU the check is always done eagerly and the returned
+//! [`FiniteCheck`] has nothing pending.
 
 pub mod cpu;
+pub(crate) mod cuda;
 
 use std::borrow::Cow;
 
@@ -55,11 +72,126 @@ pub fn scale_from_amax(amax: f32) -> f32 {
     amax.max(AMAX_FLOOR) / FP8_E4M3_MAX
 }
 
-/// Dynamic per-tensor: one scale for the whole tensor. Returns (q same shape, scale f32 `[1]`).
+/// NaN/Inf checks of dynamic quantizations whose flags are still on the device (see the module
+/// docs). Empty on the CPU, where non-finite input is reported at once. Holding one keeps the
+/// flags' device words (and, for the plain quantizations, a handle to the input) alive.
+#[derive(Clone, Debug, Default)]
+pub struct FiniteCheck {
+    pending: Vec<PendingFlag>,
+}
+
+#[derive(Clone, Debug)]
+struct PendingFlag {
+    op: &'static str,
+    tensor: String,
+    /// u32 words on the device; `word` is the error flag.
+    flags: Tensor,
+    word: usize,
+    /// The quantized data, to report the first non-finite index (None where it was never
+    /// materialized, e.g. GEMM1's h inside the fused block-scaled kernel).
+    data: Option<Tensor>,
+}
+
+impl FiniteCheck {
+    /// Nothing to check.
+    pub fn none() -> FiniteCheck {
+        FiniteCheck::default()
+    }
+
+    /// The flag in word `word` of the device u32 tensor `flags`, set by a kernel of `op` that
+    /// quantized `tensor` (`data`, if still available, locates the first non-finite element).
+    pub fn device_flag(
+        op: &'static str,
+        tensor: impl Into<String>,
+        flags: Tensor,
+        word: usize,
+        data: Option<Tensor>,
+    ) -> FiniteCheck {
+        FiniteCheck {
+            pending: vec![PendingFlag {
+                op,
+                tensor: tensor.into(),
+                flags,
+                word,
+                data,
+            }],
+        }
+    }
+
+    /// Adds `other`'s flags to this check.
+    pub fn merge(&mut self, other: FiniteCheck) {
+        self.pending.extend(other.pending);
+    }
+
+    /// Whether any flag still has to be read.
+    pub fn is_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Reads every flag (on CUDA: a synchronization) and reports the first one set as
+    /// [`fmoe_core::Error::NonFinite`] with the first offending flat index of its tensor, or, when
+    /// the data was not kept, an error naming the tensor.
+    pub fn check(&self) -> Result<()> {
+        for p in &self.pending {
+            let flags = p.flags.to_device(fmoe_core::Device::Cpu)?;
+            let set = flags
+                .cpu_slice::<u32>(p.op, "error_flag")?
+                .get(p.word)
+                .is_some_and(|&f| f != 0);
+            if !set {
+                continue;
+            }
+            let Some(data) = &p.data else {
+                return Err(Error::invalid(
+                    p.op,
+                    format!(
+                        "`{}` holds NaN or Inf (flagged by the CUDA quantization kernel; the \
+                         position is not reported)",
+                        p.tensor
+                    ),
+                ));
+            };
+            let values = data.to_f32_vec()?;
+            return Err(
+                match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                    Some((i, &v)) => non_finite(p.op, &p.tensor, i, v),
+                    None => Error::invalid(
+                        p.op,
+                        format!(
+                            "the CUDA kernel flagged NaN or Inf in `{}`, but it holds none now",
+                            p.tensor
+                        ),
+                    ),
+                },
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Dynamic per-tensor: one scale for the whole tensor. Returns (q same shape, scale f32 `[1]`),
+/// both on x's device. NaN/Inf is an error (on CUDA found by reading the kernel's flag: a
+/// synchronization; see [`quantize_per_tensor_deferred`]).
 pub fn quantize_per_tensor(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (q, scale, check) = quantize_per_tensor_deferred(x)?;
+    check.check()?;
+    Ok((q, scale))
+}
+
+/// [`quantize_per_tensor`] without waiting for the NaN/Inf check on CUDA: returns it instead
+/// (codes and scale are still written for every element; they are meaningless if it fails).
+pub fn quantize_per_tensor_deferred(x: &Tensor) -> Result<(Tensor, Tensor, FiniteCheck)> {
     const OP: &str = "quant_fp8::quantize_per_tensor";
     match x.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(s) => {
+            let (q, scale, ctrl) = cuda::per_tensor(OP, s)?;
+            let ctrl = Tensor::from_storage(Storage::Cuda(ctrl), [2])?;
+            Ok((
+                Tensor::from_storage(Storage::Cuda(q), x.shape().clone())?,
+                Tensor::from_storage(Storage::Cuda(scale), [1])?,
+                FiniteCheck::device_flag(OP, "x", ctrl, 1, Some(x.clone())),
+            ))
+        }
         Storage::Cpu(s) => {
             let xs = input_f32(OP, "x", s)?;
             let a = cpu::amax(&xs).map_err(|(i, v)| non_finite(OP, "x", i, v))?;
@@ -69,6 +201,7 @@ pub fn quantize_per_tensor(x: &Tensor) -> Result<(Tensor, Tensor)> {
             Ok((
                 output(q, x.shape().clone(), x)?,
                 output(vec![scale], [1], x)?,
+                FiniteCheck::none(),
             ))
         }
     }
@@ -104,14 +237,46 @@ pub fn dequantize_per_tensor(q: &Tensor, scale: f32) -> Result<Tensor> {
 }
 
 /// Dynamic per-token-group along the last dim: `x [.., K]` -> `q [.., K]`,
-/// `scales [.., ceil(K / group)]`. A ragged last group uses the amax of its own columns.
+/// `scales [.., ceil(K / group)]`. A ragged last group uses the amax of its own columns. On CUDA
+/// `group` must be [`FP8_GROUP`], and NaN/Inf is found by a synchronization (see
+/// [`quantize_per_token_group_deferred`]).
 pub fn quantize_per_token_group(x: &Tensor, group: usize) -> Result<(Tensor, Tensor)> {
+    let (q, scales, check) = quantize_per_token_group_deferred(x, group)?;
+    check.check()?;
+    Ok((q, scales))
+}
+
+/// [`quantize_per_token_group`] without waiting for the NaN/Inf check on CUDA: returns it instead.
+pub fn quantize_per_token_group_deferred(
+    x: &Tensor,
+    group: usize,
+) -> Result<(Tensor, Tensor, FiniteCheck)> {
     const OP: &str = "quant_fp8::quantize_per_token_group";
     check_group(OP, group)?;
     let scale_dims = group_scale_dims(OP, "x", x.shape(), group)?;
     let k = last_dim(x.shape());
     match x.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(s) => {
+            if group != cuda::GROUP {
+                return Err(fmoe_core::Error::Unsupported {
+                    op: OP,
+                    device: s.device(),
+                    reason: format!(
+                        "the CUDA kernel quantizes groups of {}, not {group}",
+                        cuda::GROUP
+                    ),
+                }
+                .into());
+            }
+            let rows = s.len().checked_div(k).unwrap_or(0);
+            let (q, scales, flag) = cuda::per_group(OP, s, rows, k)?;
+            let flag = Tensor::from_storage(Storage::Cuda(flag), [1])?;
+            Ok((
+                Tensor::from_storage(Storage::Cuda(q), x.shape().clone())?,
+                Tensor::from_storage(Storage::Cuda(scales), scale_dims)?,
+                FiniteCheck::device_flag(OP, "x", flag, 0, Some(x.clone())),
+            ))
+        }
         Storage::Cpu(s) => {
             let xs = input_f32(OP, "x", s)?;
             let mut q = fp8_buffer(xs.len());
@@ -121,6 +286,7 @@ pub fn quantize_per_token_group(x: &Tensor, group: usize) -> Result<(Tensor, Ten
             Ok((
                 output(q, x.shape().clone(), x)?,
                 output(scales, scale_dims, x)?,
+                FiniteCheck::none(),
             ))
         }
     }
@@ -146,12 +312,35 @@ pub fn dequantize_per_token_group(q: &Tensor, scales: &Tensor, group: usize) -> 
 
 /// Dynamic block quantization over the last two dims: `w [.., R, C]` -> `q [.., R, C]`,
 /// `scale_inv [.., ceil(R / b0), ceil(C / b1)]`. Ragged edge blocks use the amax of their elements.
+/// On CUDA `block` must be [`FP8_BLOCK`]; the NaN/Inf check reads the kernel's flag (a
+/// synchronization: this is a weight-loading operation).
 pub fn quantize_block(w: &Tensor, block: [usize; 2]) -> Result<(Tensor, Tensor)> {
     const OP: &str = "quant_fp8::quantize_block";
     check_block(OP, block)?;
     let (rows, cols, scale_dims) = block_scale_dims(OP, "w", w.shape(), block)?;
     match w.storage() {
-        Storage::Cuda(s) => Err(crate::error::no_cuda_kernel(OP, s)),
+        Storage::Cuda(s) => {
+            if block != cuda::BLOCK {
+                return Err(fmoe_core::Error::Unsupported {
+                    op: OP,
+                    device: s.device(),
+                    reason: format!(
+                        "the CUDA kernel quantizes {:?} blocks, not {block:?}",
+                        cuda::BLOCK
+                    ),
+                }
+                .into());
+            }
+            let n = rows * cols;
+            let mats = s.len().checked_div(n).unwrap_or(0);
+            let (q, scale_inv, flag) = cuda::per_block(OP, s, mats, rows, cols)?;
+            let flag = Tensor::from_storage(Storage::Cuda(flag), [1])?;
+            FiniteCheck::device_flag(OP, "w", flag, 0, Some(w.clone())).check()?;
+            Ok((
+                Tensor::from_storage(Storage::Cuda(q), w.shape().clone())?,
+                Tensor::from_storage(Storage::Cuda(scale_inv), scale_dims)?,
+            ))
+        }
         Storage::Cpu(s) => {
             let ws = input_f32(OP, "w", s)?;
             let mut q = fp8_buffer(ws.len());

@@ -62,8 +62,10 @@ impl MoeMethod for Fp8MoeMethod {
 
     /// Per-tensor: one scale per expert and matrix; a checkpoint's separate w1/w3 scales are
     /// merged by requantizing both halves to their max. Block: the checkpoint's scales are kept.
-    /// Dense weights are quantized here (online quantization). The CPU kernels read the resulting
-    /// row-major layout directly.
+    /// Dense weights are quantized here (online quantization), on the weights' device (CUDA:
+    /// the `quant_fp8` kernels, bf16 or f32 weights; one synchronization per quantization for its
+    /// NaN/Inf check, at load time). The kernels read the resulting row-major layout directly;
+    /// every operand stays on the checkpoint's device.
     fn process_weights_after_loading(&mut self, _kernel: KernelFamily) -> Result<()> {
         let Some(ckpt) = self.checkpoint.take() else {
             return Ok(());
@@ -137,18 +139,18 @@ impl MoeMethod for Fp8MoeMethod {
     }
 }
 
-/// Online per-tensor quantization: one dynamic scale per expert.
+/// Online per-tensor quantization: one dynamic scale per expert, on w's device.
 fn quantize_per_expert(w: &Tensor) -> Result<WeightOperand> {
     let e = w.dims()[0];
     let (mut qs, mut scales) = (Vec::with_capacity(e), Vec::with_capacity(e));
     for i in 0..e {
         let (q, s) = quant_fp8::quantize_per_tensor(&w.index0(i)?)?;
         qs.push(q);
-        scales.extend(s.to_f32_vec()?);
+        scales.push(s);
     }
     Ok(WeightOperand::Fp8PerTensor {
         q: Tensor::stack0(&qs)?,
-        scales: Tensor::from_vec(scales, [e], &Device::Cpu)?,
+        scales: Tensor::stack0(&scales)?.reshape([e])?,
     })
 }
 
@@ -196,8 +198,10 @@ fn merge_w13_scales(w13: &Tensor, scale: &Tensor) -> Result<WeightOperand> {
         )?);
         merged.push(target);
     }
+    // Computed on the host (a load-time operation); the operands live on the checkpoint's device.
+    let device = w13.device();
     Ok(WeightOperand::Fp8PerTensor {
-        q: Tensor::stack0(&qs)?,
-        scales: Tensor::from_vec(merged, [e], &Device::Cpu)?,
+        q: Tensor::stack0(&qs)?.to_device(device)?,
+        scales: Tensor::from_vec(merged, [e], &device)?,
     })
 }

@@ -8,6 +8,7 @@ pub use fp8::Fp8MoeMethod;
 pub use unquantized::UnquantizedMoeMethod;
 
 use fmoe_core::Tensor;
+use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 
 use crate::stages::ExpertOperands;
@@ -43,6 +44,40 @@ impl CheckpointExperts {
             CheckpointExperts::Fp8PerTensor { .. } => "fp8 per-tensor",
             CheckpointExperts::Fp8Block { .. } => "fp8 block",
         }
+    }
+
+    /// The same experts with every tensor on `device` (tensors already there are shared, not
+    /// copied).
+    pub fn to_device(&self, device: fmoe_core::Device) -> Result<CheckpointExperts> {
+        let d = |t: &Tensor| t.to_device(device);
+        Ok(match self {
+            CheckpointExperts::Dense { w13, w2 } => CheckpointExperts::Dense {
+                w13: d(w13)?,
+                w2: d(w2)?,
+            },
+            CheckpointExperts::Fp8PerTensor {
+                w13,
+                w13_scale,
+                w2,
+                w2_scale,
+            } => CheckpointExperts::Fp8PerTensor {
+                w13: d(w13)?,
+                w13_scale: d(w13_scale)?,
+                w2: d(w2)?,
+                w2_scale: d(w2_scale)?,
+            },
+            CheckpointExperts::Fp8Block {
+                w13,
+                w13_scale_inv,
+                w2,
+                w2_scale_inv,
+            } => CheckpointExperts::Fp8Block {
+                w13: d(w13)?,
+                w13_scale_inv: d(w13_scale_inv)?,
+                w2: d(w2)?,
+                w2_scale_inv: d(w2_scale_inv)?,
+            },
+        })
     }
 
     fn weights(&self) -> (&Tensor, &Tensor) {
@@ -84,7 +119,18 @@ pub trait MoeMethod: Send + Sync {
 
     /// Runs the experts for routed tokens `x` [M, K].
     fn apply(&self, x: &Tensor, topk: &TopK, kernel: KernelFamily) -> Result<Tensor> {
-        crate::stages::run_experts(x, topk, self.operands()?, kernel)
+        Ok(self.apply_deferred(x, topk, kernel)?.0)
+    }
+
+    /// [`Self::apply`], also returning the NaN/Inf check of its dynamic quantizations (see
+    /// [`crate::stages::run_experts_deferred`]).
+    fn apply_deferred(
+        &self,
+        x: &Tensor,
+        topk: &TopK,
+        kernel: KernelFamily,
+    ) -> Result<(Tensor, FiniteCheck)> {
+        crate::stages::run_experts_deferred(x, topk, self.operands()?, kernel)
     }
 }
 

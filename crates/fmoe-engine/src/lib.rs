@@ -1,0 +1,28 @@
+//! fmoe-engine: turns a [`fmoe_models::CausalLm`] into generated text.
+//!
+//! - [`ContiguousKvCache`] implements the model's [`fmoe_models::KvCache`]: per sequence, per
+//!   layer, contiguous growth.
+//! - [`Sampler`] picks tokens: greedy, or temperature + top-p from a seeded RNG
+//!   ([`SamplingParams`]).
+//! - [`generate`] runs prefill (all prompts in one pass) then decode (one token per live
+//!   sequence per pass) until max tokens, an EOS id or a stop string ([`GenerateParams`]), and
+//!   returns per-prompt [`Output`]s with [`Stats`].
+//!
+//! ```no_run
+//! use fmoe_engine::{GenerateParams, generate};
+//! use fmoe_models::{LoadOptions, load};
+//! let m = load(std::path::Path::new("tests/fixtures/tiny-mixtral"), &LoadOptions::default())?;
+//! let g = generate(m.model.as_ref(), m.tokenizer.as_ref(), &[vec![1, 2, 3]], &GenerateParams::default())?;
+//! println!("{:?} ({:.1} tokens/s)", g.outputs[0].token_ids, g.stats.tokens_per_s());
+//! # Ok::<(), fmoe_engine::Error>(())
+//! ```
+
+mod error;
+mod generate;
+mod kv_cache;
+mod sampler;
+
+pub use error::{Error, Result};
+pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
+pub use kv_cache::ContiguousKvCache;
+pub use sampler::{Sampler, SamplingParams, argmax};

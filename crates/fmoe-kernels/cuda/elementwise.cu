@@ -1,0 +1,99 @@
+// elementwise: the small device kernels around the MoE GEMMs (see src/elementwise/mod.rs), each
+// the twin of a few lines of CPU code:
+//   fmoe_cast        dst = DST(src) through f32, round to nearest even (SRC_DT -> DST_DT)
+//   fmoe_add         out = DT(f32(a) + f32(b))                              (DT)
+//   fmoe_randn       out[i] = DT(scale * normal(seed, i)), a counter-based normal (DT)
+//   fmoe_sum_bf16    *out += sum of x (f32 accumulation; *out zeroed by the caller)
+//
+// Dtype codes (-D SRC_DT / DST_DT / DT): 0 = f32, 1 = bf16, 2 = f16. All kernels are grid-stride
+// loops over 64-bit indices: any grid size covers any length.
+//
+// randn: h = mix64(i ^ mix64(seed)) (splitmix64's finalizer); u1 = (h >> 40) + 1 over 2^24, in
+// (0, 1]; u2 = bits 16..39 of h over 2^24, in [0, 1); normal = sqrt(-2 ln u1) cos(2 pi u2) in f32
+// (Box-Muller, one value per index). The CPU twin computes the same expression with Rust's f32
+// ln/cos/sqrt; the two agree to a few f32 ulps.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+template <int D>
+struct Elem;
+template <>
+struct Elem<0> {
+    typedef float T;
+    static __device__ __forceinline__ float load(T v) { return v; }
+    static __device__ __forceinline__ T store(float v) { return v; }
+};
+template <>
+struct Elem<1> {
+    typedef __nv_bfloat16 T;
+    static __device__ __forceinline__ float load(T v) { return __bfloat162float(v); }
+    static __device__ __forceinline__ T store(float v) { return __float2bfloat16_rn(v); }
+};
+template <>
+struct Elem<2> {
+    typedef __half T;
+    static __device__ __forceinline__ float load(T v) { return __half2float(v); }
+    static __device__ __forceinline__ T store(float v) { return __float2half_rn(v); }
+};
+
+#define GRID_STRIDE(i, n)                                                                     \
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
+         i < (n); i += (unsigned long long)gridDim.x * blockDim.x)
+
+#if defined(SRC_DT) && defined(DST_DT)
+extern "C" __global__ void fmoe_cast(const typename Elem<SRC_DT>::T* __restrict__ src,
+                                     typename Elem<DST_DT>::T* __restrict__ dst,
+                                     unsigned long long n) {
+    GRID_STRIDE(i, n) dst[i] = Elem<DST_DT>::store(Elem<SRC_DT>::load(src[i]));
+}
+#endif
+
+#ifdef DT
+typedef Elem<DT> E;
+
+extern "C" __global__ void fmoe_add(const E::T* __restrict__ a, const E::T* __restrict__ b,
+                                    E::T* __restrict__ out, unsigned long long n) {
+    GRID_STRIDE(i, n) out[i] = E::store(E::load(a[i]) + E::load(b[i]));
+}
+
+__device__ __forceinline__ unsigned long long mix64(unsigned long long z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+extern "C" __global__ void fmoe_randn(E::T* __restrict__ out, unsigned long long n,
+                                      unsigned long long seed, float scale) {
+    const unsigned long long s = mix64(seed);
+    GRID_STRIDE(i, n) {
+        const unsigned long long h = mix64(i ^ s);
+        const float u1 = (float)((h >> 40) + 1ull) * 5.9604644775390625e-8f;  // 2^-24
+        const float u2 = (float)((h >> 16) & 0xffffffull) * 5.9604644775390625e-8f;
+        const float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
+        out[i] = E::store(scale * z);
+    }
+}
+#endif
+
+// A read-only pass over x (the read-bandwidth ceiling of the benchmark): 16-byte loads for the
+// aligned bulk, scalar loads for the tail, a warp-shuffle reduction, one atomic per warp.
+extern "C" __global__ void fmoe_sum_bf16(const __nv_bfloat16* __restrict__ x, unsigned long long n,
+                                         float* __restrict__ out) {
+    float acc = 0.0f;
+    const unsigned long long chunks = n / 8;
+    const uint4* v = reinterpret_cast<const uint4*>(x);
+    GRID_STRIDE(c, chunks) {
+        const uint4 q = v[c];
+        const unsigned int w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            acc += __uint_as_float(w[j] << 16) + __uint_as_float(w[j] & 0xffff0000u);
+        }
+    }
+    GRID_STRIDE(i, n - chunks * 8) acc += __bfloat162float(x[chunks * 8 + i]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if ((threadIdx.x & 31) == 0) atomicAdd(out, acc);
+}

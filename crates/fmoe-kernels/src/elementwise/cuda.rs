@@ -1,0 +1,132 @@
+//! CUDA twin of `elementwise`: `cuda/elementwise.cu`, compiled by [`crate::nvrtc`].
+
+use std::sync::Arc;
+
+use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
+use fmoe_core::{DType, Error as CoreError};
+
+use crate::Result;
+use crate::launch::{ELEMENTWISE_THREADS, grid_stride_blocks};
+use crate::nvrtc;
+
+const FAMILY: &str = "elementwise";
+const SRC: &str = include_str!("../../cuda/elementwise.cu");
+
+/// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), or `Unsupported` naming what is missing.
+fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("0"),
+        DType::BF16 => Ok("1"),
+        DType::F16 => Ok("2"),
+        other => Err(CoreError::Unsupported {
+            op,
+            device: s.device(),
+            reason: format!("no CUDA elementwise kernel for {other} (f32, bf16 and f16 only)"),
+        }
+        .into()),
+    }
+}
+
+fn launch_1d(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid_stride_blocks(n, ELEMENTWISE_THREADS as usize), 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+pub(super) fn cast(op: &'static str, src: &CudaStorage, dtype: DType) -> Result<CudaStorage> {
+    let defines = [
+        ("SRC_DT", code(op, src, src.dtype())?.to_string()),
+        ("DST_DT", code(op, src, dtype)?.to_string()),
+    ];
+    let backend = src.backend();
+    let mut out = CudaStorage::alloc(backend, dtype, src.len())?;
+    let n = src.len();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_cast", &defines)?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(src.buffer()).arg(dst).arg(&n64);
+    // SAFETY: (const SRC*, DST*, u64) as declared, the dtypes compiled from the buffers' own; both
+    // hold n elements; the grid-stride loop stays below n.
+    unsafe { b.launch(launch_1d(n)) }.map_err(|e| cuda_error("elementwise::cast launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn add(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<CudaStorage> {
+    let defines = [("DT", code(op, a, a.dtype())?.to_string())];
+    let backend = a.backend();
+    let n = a.len();
+    let mut out = CudaStorage::alloc(backend, a.dtype(), n)?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_add", &defines)?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(a.buffer()).arg(b.buffer()).arg(dst).arg(&n64);
+    // SAFETY: (const T*, const T*, T*, u64); the caller checked that a and b have the same dtype
+    // (compiled as DT) and length n; out holds n elements.
+    unsafe { l.launch(launch_1d(n)) }.map_err(|e| cuda_error("elementwise::add launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn randn(
+    op: &'static str,
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    n: usize,
+    scale: f32,
+    seed: u64,
+) -> Result<CudaStorage> {
+    let mut out = CudaStorage::alloc(backend, dtype, n)?;
+    let defines = [("DT", code(op, &out, dtype)?.to_string())];
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_randn", &defines)?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(dst).arg(&n64).arg(&seed).arg(&scale);
+    // SAFETY: (T*, u64, u64, float) as declared; out holds n elements of the compiled dtype.
+    unsafe { l.launch(launch_1d(n)) }.map_err(|e| cuda_error("elementwise::randn launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn sum(op: &'static str, x: &CudaStorage) -> Result<CudaStorage> {
+    if x.dtype() != DType::BF16 {
+        return Err(CoreError::Unsupported {
+            op,
+            device: x.device(),
+            reason: format!("the CUDA sum kernel reads bf16, not {}", x.dtype()),
+        }
+        .into());
+    }
+    let backend = x.backend();
+    let mut out = CudaStorage::zeros(backend, DType::F32, 1)?;
+    let n = x.len();
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_sum_bf16", &[])?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(x.buffer()).arg(&n64).arg(dst);
+    // SAFETY: (const bf16*, u64, float*); x holds n bf16 (its allocation is 256-byte aligned, so
+    // the 16-byte loads of the first n/8 chunks are aligned and in bounds); out holds one f32,
+    // zeroed above.
+    unsafe { l.launch(launch_1d(n / 8)) }.map_err(|e| cuda_error("elementwise::sum launch", e))?;
+    Ok(out)
+}

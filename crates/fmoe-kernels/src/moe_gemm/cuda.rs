@@ -1,0 +1,739 @@
+//! CUDA twin of `moe_gemm` for bf16 activations and bf16 weights (fp8 operands: `cuda_fp8.rs`,
+//! which the entry points here hand them to).
+//!
+//! - fused ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): `cuda/moe_gemm_bf16.cu`, MODE 1 (GEMM1
+//!   with SiLU⊙mul in the epilogue, h in bf16) and MODE 2 (GEMM2 with the routing weight and the
+//!   top-k sum in the epilogue, f32 atomics into a zeroed y).
+//! - portable ([`portable`]): the same grouped GEMM engine without fusion. Each GEMM is MODE 2 with
+//!   top_k = 1 and unit weights, which is a plain grouped GEMM into a zeroed f32 buffer
+//!   (`out[r, c] = a[r] · W_e(r)[c]`: one product per element, added to 0.0, exact), and the glue
+//!   runs as separate kernels (`cuda/moe_unfused.cu`): gather the token rows per route, GEMM1 into
+//!   f32 `[R, 2N]`, SiLU⊙mul into bf16 `[R, N]`, GEMM2 into f32 `[R, K]`, then the weighted top-k
+//!   sum. Every intermediate round-trips through device memory and each step is a launch: what
+//!   the fused epilogues save, measured with the same tiles. No host synchronization on either.
+//!
+//! Launch geometry lives in one place, [`GEMM`] (kernel variant, tiles, stages, split-K; change it
+//! together with the `.cu` sources), and the named constants derived from it. Contract (checked, with the dimension named): the reduction length (K for
+//! GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads 16-byte chunks of
+//! bf16; routes come from `moe_align` with `block_m` = [`BM`].
+
+use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::{CudaStorage, cuda_error};
+use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
+
+use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
+use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, u32_arg};
+use crate::moe_align::{AlignedRoutes, align_routes};
+use crate::nvrtc;
+use crate::{Error, Result};
+
+/// Which grouped GEMM kernel runs, and its compile-time tunables: the one place that decides the
+/// launch geometry (tile sizes, threads, shared memory, split-K), mirroring the bring-up harness
+/// `bench/gpu/moe_bf16_cupy.py`. Change [`GEMM`] (with the `.cu` sources) to switch variants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmConfig {
+    pub kind: GemmKind,
+    /// M tile (routes per block) = `moe_align`'s `block_m`. `Mma`: 64 (fixed in its source);
+    /// `Sm90`: 64 or 128 (`-D BM`).
+    pub bm: usize,
+    /// Reduction tile. `Mma`: 32 or 64 (`-D BK`); `Sm90`: 64 (fixed in its source).
+    pub bk: usize,
+    /// cp.async ring depth (`-D STAGES`).
+    pub stages: usize,
+    /// `Sm90` only: wgmma N (`-D WG_N`, 128 or 256) = weight rows per block.
+    pub wg_n: usize,
+    /// Split GEMM2's reduction over `gridDim.z` when the grid is too small to fill the GPU.
+    pub split_k: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmKind {
+    /// `cuda/moe_gemm_bf16.cu`: mma.sync m16n8k16 (sm_80+), 64 × 128 weight-row tiles, 4 warps.
+    Mma,
+    /// `cuda/moe_gemm_bf16_sm90.cu`: wgmma (sm_90a only), BM × WG_N tiles, BM/64 warpgroups.
+    Sm90,
+}
+
+/// mma.sync kernel: any sm_80+ device.
+pub const MMA: GemmConfig = GemmConfig {
+    kind: GemmKind::Mma,
+    bm: 64,
+    bk: 64,
+    stages: 4,
+    wg_n: 128,
+    split_k: true,
+};
+
+/// wgmma kernel, decode-sized batches: 64-row tiles and 128 weight rows keep two blocks per SM
+/// and enough blocks to stream the weights from every SM.
+pub const SM90_SMALL: GemmConfig = GemmConfig {
+    kind: GemmKind::Sm90,
+    bm: 64,
+    bk: 64,
+    stages: 4,
+    wg_n: 128,
+    split_k: true,
+};
+
+/// wgmma kernel, prefill-sized batches: 128 × 256 tiles (two warpgroups) halve the weight
+/// re-reads per route and double the MMA work per barrier.
+pub const SM90_LARGE: GemmConfig = GemmConfig {
+    kind: GemmKind::Sm90,
+    bm: 128,
+    bk: 64,
+    stages: 4,
+    wg_n: 256,
+    split_k: true,
+};
+
+/// Average routes per expert from which [`SM90_LARGE`] wins (H200 sweep, BENCHMARKS.md): at 128
+/// a 128-row tile is full on average, and below it the smaller grid of large tiles loses.
+pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 128;
+
+/// The default variant for tests and code that does not know the device (the portable choice).
+pub const GEMM: GemmConfig = MMA;
+
+impl GemmConfig {
+    /// The variant for a batch of `num_routes` routes over `experts` experts on a device of
+    /// compute capability `cc`. No tuning files: the choice is this rule.
+    pub fn select(cc: (u32, u32), num_routes: usize, experts: usize) -> GemmConfig {
+        if cc != (9, 0) {
+            return MMA;
+        }
+        if num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1) {
+            SM90_LARGE
+        } else {
+            SM90_SMALL
+        }
+    }
+
+    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc`.
+    pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
+        [SM90_SMALL, SM90_LARGE, MMA]
+            .into_iter()
+            .find(|c| c.bm == block_m && (c.kind == GemmKind::Sm90) == (cc == (9, 0)))
+    }
+}
+
+impl GemmConfig {
+    /// Weight rows one block reads per tile.
+    pub const fn b_rows(&self) -> usize {
+        match self.kind {
+            GemmKind::Mma => 128,
+            GemmKind::Sm90 => self.wg_n,
+        }
+    }
+    /// Output columns per block: GEMM1 (MODE 1) pairs half its weight rows (gate) with the other
+    /// half (up); GEMM2 (MODE 2) writes one column per weight row.
+    pub const fn n_tile(&self, mode: u32) -> usize {
+        if mode == 1 {
+            self.b_rows() / 2
+        } else {
+            self.b_rows()
+        }
+    }
+    pub const fn threads(&self) -> u32 {
+        match self.kind {
+            GemmKind::Mma => 128,
+            GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
+        }
+    }
+    /// Dynamic shared memory per block (the sources' formulas).
+    pub const fn smem_bytes(&self) -> u32 {
+        (match self.kind {
+            GemmKind::Mma => self.stages * (64 + 128) * (self.bk + 8) * 2,
+            GemmKind::Sm90 => self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024,
+        }) as u32
+    }
+    fn source(&self) -> (&'static str, &'static str) {
+        match self.kind {
+            GemmKind::Mma => (GEMM_FAMILY, GEMM_SRC),
+            GemmKind::Sm90 => (GEMM_SM90_FAMILY, GEMM_SM90_SRC),
+        }
+    }
+    fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
+        let mut d = vec![("MODE", mode.to_string())];
+        match self.kind {
+            GemmKind::Mma => {
+                d.push(("BK", self.bk.to_string()));
+                d.push(("STAGES", self.stages.to_string()));
+            }
+            GemmKind::Sm90 => {
+                d.push(("WG_N", self.wg_n.to_string()));
+                d.push(("STAGES", self.stages.to_string()));
+                d.push(("BM", self.bm.to_string()));
+            }
+        }
+        d
+    }
+    /// GEMM2's split-K factor (the harness's `splits_for`): enough splits for about four blocks per
+    /// SM, at most one per 8 reduction tiles. `blocks` counts the M tiles that can be busy.
+    pub fn splits(
+        &self,
+        num_routes: usize,
+        experts: usize,
+        slots: usize,
+        n_tiles: usize,
+        kd: usize,
+        sms: usize,
+    ) -> usize {
+        if !self.split_k {
+            return 1;
+        }
+        let bm = self.bm;
+        let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
+        let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
+        let cap = match (kd / self.bk) / 8 {
+            0 => 1,
+            c => c,
+        };
+        want.min(cap).max(1)
+    }
+}
+
+/// Rows (routes) per GEMM block: the M tile, and the `block_m` of `moe_align` on CUDA.
+pub const BM: usize = GEMM.bm;
+/// GEMM1 (MODE 1): h columns per block.
+pub const GEMM1_BN: usize = GEMM.n_tile(1);
+/// GEMM2 (MODE 2): output columns per block.
+pub const GEMM2_BN: usize = GEMM.n_tile(2);
+/// Threads per GEMM block.
+pub const NTHREADS: u32 = GEMM.threads();
+/// The reduction length must be a multiple of this (16-byte loads of bf16).
+pub const K_MULTIPLE: usize = 8;
+/// Threads per block of the portable path's glue kernels.
+const GLUE_THREADS: u32 = 256;
+/// Shared memory a block may use without opting in (`cuFuncSetAttribute`).
+pub(super) const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
+
+const GEMM_FAMILY: &str = "moe_gemm_bf16";
+const GEMM_SRC: &str = include_str!("../../cuda/moe_gemm_bf16.cu");
+const GEMM_SM90_FAMILY: &str = "moe_gemm_bf16_sm90";
+const GEMM_SM90_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90.cu");
+const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
+pub(super) const GLUE_FAMILY: &str = "moe_unfused";
+pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
+
+fn unsupported(op: &'static str, device: Device, reason: String) -> Error {
+    CoreError::Unsupported { op, device, reason }.into()
+}
+
+/// Why fp8 operands cannot meet bf16 ones in one CUDA GEMM.
+const FP8_MIXED: &str = "no CUDA kernel for fp8 mixed with bf16 operands (the fp8 grouped GEMMs \
+     take fp8 activations and fp8 weights of one scheme)";
+
+/// The bf16 activation tensor of `a`, or `Unsupported` naming what is missing.
+fn bf16_act<'a>(op: &'static str, name: &str, a: &'a ActOperand) -> Result<&'a Tensor> {
+    match a {
+        ActOperand::Plain(t) if t.dtype() == DType::BF16 => Ok(t),
+        ActOperand::Plain(t) => Err(unsupported(
+            op,
+            t.device(),
+            format!(
+                "`{name}` is {}; the CUDA grouped GEMM takes bf16 activations (no {} kernel yet)",
+                t.dtype(),
+                t.dtype()
+            ),
+        )),
+        ActOperand::Fp8PerTensor { q, .. } | ActOperand::Fp8Group { q, .. } => Err(unsupported(
+            op,
+            q.device(),
+            format!("`{name}` is fp8: {FP8_MIXED}"),
+        )),
+    }
+}
+
+/// The bf16 weight tensor of `w`, or `Unsupported` naming what is missing.
+fn bf16_weight<'a>(op: &'static str, name: &str, w: &'a WeightOperand) -> Result<&'a Tensor> {
+    match w {
+        WeightOperand::Plain(t) if t.dtype() == DType::BF16 => Ok(t),
+        WeightOperand::Plain(t) => Err(unsupported(
+            op,
+            t.device(),
+            format!(
+                "`{name}` is {}; the CUDA grouped GEMM takes bf16 weights (no {} kernel yet)",
+                t.dtype(),
+                t.dtype()
+            ),
+        )),
+        WeightOperand::Fp8PerTensor { q, .. } | WeightOperand::Fp8Block { q, .. } => Err(
+            unsupported(op, q.device(), format!("`{name}` is fp8: {FP8_MIXED}")),
+        ),
+    }
+}
+
+/// Ok if the CUDA kernels can run these operands (bf16 weights with unquantized activations, or
+/// fp8 weights with the activation quantization of their scheme on an sm_90 device); else the
+/// `Unsupported` error naming the missing kernel. Callers check this before quantizing, so an
+/// unsupported combination fails here rather than deep in `quant_fp8`.
+pub(super) fn check_support(
+    op: &'static str,
+    device: Device,
+    act_quant: ActQuant,
+    w13: &WeightOperand,
+    w2: &WeightOperand,
+) -> Result<()> {
+    if act_quant != ActQuant::None || cuda_fp8::is_fp8_weight(w13) || cuda_fp8::is_fp8_weight(w2) {
+        return cuda_fp8::check_support(op, device, act_quant, w13, w2);
+    }
+    bf16_weight(op, "w13", w13)?;
+    bf16_weight(op, "w2", w2)?;
+    Ok(())
+}
+
+fn check_reduction(op: &'static str, what: &str, len: usize) -> Result<()> {
+    if !len.is_multiple_of(K_MULTIPLE) {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{what} = {len} must be a multiple of {K_MULTIPLE} on CUDA (the grouped GEMM loads \
+                 16-byte chunks of bf16 along the reduction)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The device buffers of aligned routes, checked against the kernel's tile.
+struct RouteBuffers<'a> {
+    /// The kernel variant whose M tile these routes are aligned to.
+    cfg: GemmConfig,
+    sorted: &'a CudaStorage,
+    blocks: &'a CudaStorage,
+    total: &'a CudaStorage,
+    slots: usize,
+}
+
+fn route_buffers<'a>(
+    op: &'static str,
+    routes: &'a AlignedRoutes,
+    device: Device,
+) -> Result<RouteBuffers<'a>> {
+    let cc = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?
+        .backend()
+        .compute_capability();
+    let Some(cfg) = GemmConfig::for_block_m(cc, routes.block_m) else {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "routes are aligned to block_m = {}; the CUDA grouped GEMMs of this device take {} \
+                 (their M tiles)",
+                routes.block_m,
+                if cc == (9, 0) { "64 or 128" } else { "64" }
+            ),
+        ));
+    };
+    Ok(RouteBuffers {
+        cfg,
+        sorted: cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?,
+        blocks: cuda_storage(op, "block_experts", &routes.block_experts, device)?,
+        total: cuda_storage(op, "total", &routes.total, device)?,
+        slots: routes.slots(),
+    })
+}
+
+/// One launch of `fmoe_moe_gemm_bf16`.
+struct Gemm<'a> {
+    mode: u32,
+    a: &'a CudaStorage,
+    w: &'a CudaStorage,
+    routes: &'a RouteBuffers<'a>,
+    /// MODE 2: f32 [num_routes].
+    topk_weights: Option<&'a CudaStorage>,
+    num_routes: usize,
+    top_k: usize,
+    /// Reduction length (K for GEMM1, N for GEMM2).
+    kd: usize,
+    /// Output columns (N for GEMM1, K for GEMM2).
+    n_out: usize,
+    /// Experts (for the split-K heuristic).
+    experts: usize,
+}
+
+/// MODE 1 writes `out` = h bf16 [num_routes, n_out]; MODE 2 adds into `out` = y32 f32
+/// [num_routes / top_k, n_out], which the caller zeroed (MODE 2 may split the reduction: each
+/// split adds its partial sum).
+fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<()> {
+    let cfg = g.routes.cfg;
+    let blocks_m = g.routes.slots / cfg.bm;
+    if g.num_routes == 0 || g.n_out == 0 || blocks_m == 0 {
+        return Ok(());
+    }
+    let backend = g.a.backend();
+    if cfg.kind == GemmKind::Sm90 && backend.compute_capability() != (9, 0) {
+        return Err(unsupported(
+            op,
+            g.a.device(),
+            format!(
+                "the wgmma grouped GEMM needs sm_90 (Hopper), this device is sm_{}{}",
+                backend.compute_capability().0,
+                backend.compute_capability().1
+            ),
+        ));
+    }
+    let grid_y = u32::try_from(blocks_m)
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "{} routes need {blocks_m} M tiles of {}; one launch takes at most 65535",
+                    g.num_routes, cfg.bm
+                ),
+            )
+        })?;
+    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
+    let splits = if g.mode == 2 {
+        cfg.splits(
+            g.num_routes,
+            g.experts,
+            g.routes.slots,
+            n_tiles,
+            g.kd,
+            backend.multiprocessor_count() as usize,
+        )
+    } else {
+        1
+    };
+    let grid_x = u32_arg(op, "N tiles", n_tiles)?;
+    let grid_z = u32_arg(op, "split-K", splits)?;
+    let num_routes = u32_arg(op, "number of routes", g.num_routes)?;
+    let top_k = u32_arg(op, "top_k", g.top_k)?;
+    let kd = u32_arg(op, "reduction length", g.kd)?;
+    let n_out = u32_arg(op, "output columns", g.n_out)?;
+    let (family, source) = cfg.source();
+    let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &cfg.defines(g.mode))?;
+    let smem = cfg.smem_bytes();
+    if smem > DEFAULT_SMEM_LIMIT {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| cuda_error("moe_gemm_bf16: shared memory opt-in", e))?;
+    }
+    let launch = LaunchConfig {
+        grid_dim: (grid_x, grid_y, grid_z),
+        block_dim: (cfg.threads(), 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let null: u64 = 0;
+    let stream = backend.stream();
+    let out = out.buffer_mut()?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(g.a.buffer())
+        .arg(g.w.buffer())
+        .arg(g.routes.sorted.buffer())
+        .arg(g.routes.blocks.buffer())
+        .arg(g.routes.total.buffer());
+    match g.topk_weights {
+        Some(w) => b.arg(w.buffer()),
+        None => b.arg(&null),
+    };
+    if g.mode == 1 {
+        b.arg(out).arg(&null);
+    } else {
+        b.arg(&null).arg(out);
+    }
+    b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
+    // SAFETY: the arguments match `fmoe_moe_gemm_bf16`'s parameters in order and type (pointers,
+    // then four u32), in both sources. The callers checked: `a` is bf16 with kd columns and
+    // num_routes (MODE 2) or num_routes / top_k (MODE 1) rows; `w` is bf16 [E, 2·n_out or n_out,
+    // kd]; kd is a multiple of 8 and every buffer starts 256-byte aligned (16-byte loads); the
+    // routes come from moe_align with BLOCK_M = cfg.bm over these num_routes routes and E
+    // experts, so sorted holds grid_y · bm slots, block ids are < E for blocks before *total, and
+    // route ids are < num_routes or the pad; MODE 1's h and MODE 2's topk_weights/y32 have the
+    // sizes the kernel indexes (y32 zeroed, as split-K adds into it); the unused pointer of each
+    // mode is null and never dereferenced; MODE 1 runs with gridDim.z = 1; the dynamic shared
+    // memory is the source's formula for these defines, opted in above 48 KiB.
+    unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
+    Ok(())
+}
+
+fn bf16_operands<'a>(
+    op: &'static str,
+    x: &'a Tensor,
+    w: &'a Tensor,
+    wname: &str,
+) -> Result<(&'a CudaStorage, &'a CudaStorage, Device)> {
+    let device = x.device();
+    let xs = cuda_storage(op, "activations", x, device)?;
+    let ws = cuda_storage(op, wname, w, device)?;
+    Ok((xs, ws, device))
+}
+
+/// GEMM1 with SiLU⊙mul: h bf16 [num_routes, N], row = route.
+pub(super) fn gemm1_silu_mul(
+    op: &'static str,
+    a: &ActOperand,
+    routes: &AlignedRoutes,
+    top_k: usize,
+    w13: &WeightOperand,
+) -> Result<Tensor> {
+    if cuda_fp8::is_fp8_act(a) || cuda_fp8::is_fp8_weight(w13) {
+        return cuda_fp8::gemm1_h(op, a, routes, top_k, w13);
+    }
+    let x = bf16_act(op, "a1", a)?;
+    let w = bf16_weight(op, "w13", w13)?;
+    let (xs, ws, device) = bf16_operands(op, x, w, "w13")?;
+    let (two_n, k) = (w.dims()[1], w.dims()[2]);
+    let n = two_n / 2;
+    check_reduction(op, "K (hidden size, GEMM1's reduction length)", k)?;
+    let rb = route_buffers(op, routes, device)?;
+    let r = routes.num_routes;
+    let mut h = CudaStorage::alloc(xs.backend(), DType::BF16, r * n)?;
+    let g = Gemm {
+        mode: 1,
+        a: xs,
+        w: ws,
+        routes: &rb,
+        topk_weights: None,
+        num_routes: r,
+        top_k,
+        kd: k,
+        n_out: n,
+        experts: routes.num_experts,
+    };
+    launch_gemm(op, &g, &mut h)?;
+    Ok(Tensor::from_storage(Storage::Cuda(h), [r, n])?)
+}
+
+/// GEMM2 with the routing weight and top-k sum: y f32 [M, K].
+pub(super) fn gemm2_weighted_sum(
+    op: &'static str,
+    h: &ActOperand,
+    routes: &AlignedRoutes,
+    topk_weights: &Tensor,
+    w2: &WeightOperand,
+) -> Result<Tensor> {
+    if cuda_fp8::is_fp8_act(h) || cuda_fp8::is_fp8_weight(w2) {
+        return cuda_fp8::gemm2(op, h, routes, topk_weights, w2);
+    }
+    let a = bf16_act(op, "a2", h)?;
+    let w = bf16_weight(op, "w2", w2)?;
+    let (hs, ws, device) = bf16_operands(op, a, w, "w2")?;
+    let (k, n) = (w.dims()[1], w.dims()[2]);
+    check_reduction(op, "N (intermediate size, GEMM2's reduction length)", n)?;
+    let weights = cuda_storage(op, "topk_weights", topk_weights, device)?;
+    let (m, top_k) = (topk_weights.dims()[0], topk_weights.dims()[1]);
+    let rb = route_buffers(op, routes, device)?;
+    let mut y = CudaStorage::zeros(hs.backend(), DType::F32, m * k)?;
+    let g = Gemm {
+        mode: 2,
+        a: hs,
+        w: ws,
+        routes: &rb,
+        topk_weights: Some(weights),
+        num_routes: routes.num_routes,
+        top_k,
+        kd: n,
+        n_out: k,
+        experts: routes.num_experts,
+    };
+    launch_gemm(op, &g, &mut y)?;
+    Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?)
+}
+
+/// Launch shape of the glue kernels: one block per row (grid-stride over rows beyond the cap).
+pub(super) fn glue_launch(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.clamp(1, MAX_GRID_STRIDE_BLOCKS) as u32, 1, 1),
+        block_dim: (GLUE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The unfused baseline on CUDA (see the module docs): y f32 [M, K].
+pub(super) fn portable(
+    op: &'static str,
+    a1: &ActOperand,
+    topk_ids: &Tensor,
+    topk_weights: &Tensor,
+    w13: &WeightOperand,
+    w2: &WeightOperand,
+) -> Result<Tensor> {
+    let x = bf16_act(op, "a1", a1)?;
+    let w13t = bf16_weight(op, "w13", w13)?;
+    let w2t = bf16_weight(op, "w2", w2)?;
+    let (xs, w13s, device) = bf16_operands(op, x, w13t, "w13")?;
+    let w2s = cuda_storage(op, "w2", w2t, device)?;
+    let weights = cuda_storage(op, "topk_weights", topk_weights, device)?;
+    let (e, k, n) = (w13t.dims()[0], w13t.dims()[2], w2t.dims()[2]);
+    check_reduction(op, "K (hidden size, GEMM1's reduction length)", k)?;
+    check_reduction(op, "N (intermediate size, GEMM2's reduction length)", n)?;
+    let (m, top_k) = (topk_ids.dims()[0], topk_ids.dims()[1]);
+    let r = m * top_k;
+    let backend = xs.backend();
+    let mut y = CudaStorage::alloc(backend, DType::F32, m * k)?;
+    if r == 0 || k == 0 {
+        return Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?);
+    }
+    let routes = align_routes(topk_ids, e, BM)?;
+    let rb = route_buffers(op, &routes, device)?;
+    let stream = backend.stream();
+    let (r64, m64) = (r as u64, m as u64);
+    let (top_k32, k32, n32) = (
+        u32_arg(op, "top_k", top_k)?,
+        u32_arg(op, "K", k)?,
+        u32_arg(op, "N", n)?,
+    );
+
+    // xr[r] = x[r / top_k]
+    let mut xr = CudaStorage::alloc(backend, DType::BF16, r * k)?;
+    let chunks = u32_arg(op, "K / 8", k / K_MULTIPLE)?;
+    let f = nvrtc::load(backend, GLUE_FAMILY, GLUE_SRC, "fmoe_gather_rows", &[])?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(xs.buffer())
+        .arg(xr.buffer_mut()?)
+        .arg(&r64)
+        .arg(&top_k32)
+        .arg(&chunks);
+    // SAFETY: (const uint4*, uint4*, u64, u32, u32); x holds M·K bf16 = M·chunks 16-byte chunks
+    // (K is a multiple of 8, buffers 256-byte aligned) and each row r reads token r / top_k < M;
+    // xr holds R·chunks chunks.
+    unsafe { b.launch(glue_launch(r)) }.map_err(|e| cuda_error("moe_unfused: gather", e))?;
+
+    let mut ones = CudaStorage::alloc(backend, DType::F32, r)?;
+    ones.fill(1.0)?;
+    // gu = xr · w13ᵀ per expert, f32 [R, 2N]
+    let mut gu = CudaStorage::zeros(backend, DType::F32, r * 2 * n)?;
+    let g1 = Gemm {
+        mode: 2,
+        a: &xr,
+        w: w13s,
+        routes: &rb,
+        topk_weights: Some(&ones),
+        num_routes: r,
+        top_k: 1,
+        kd: k,
+        n_out: 2 * n,
+        experts: e,
+    };
+    launch_gemm(op, &g1, &mut gu)?;
+
+    // h = silu(gate) ⊙ up, bf16 [R, N]
+    let mut h = CudaStorage::alloc(backend, DType::BF16, r * n)?;
+    let f = nvrtc::load(backend, GLUE_FAMILY, GLUE_SRC, "fmoe_silu_mul", &[])?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(gu.buffer()).arg(h.buffer_mut()?).arg(&r64).arg(&n32);
+    // SAFETY: (const float*, bf16*, u64, u32); gu holds R·2N f32, h R·N bf16.
+    unsafe { b.launch(glue_launch(r)) }.map_err(|e| cuda_error("moe_unfused: silu_mul", e))?;
+
+    // o = h · w2ᵀ per expert, f32 [R, K]
+    let mut o = CudaStorage::zeros(backend, DType::F32, r * k)?;
+    let g2 = Gemm {
+        mode: 2,
+        a: &h,
+        w: w2s,
+        routes: &rb,
+        topk_weights: Some(&ones),
+        num_routes: r,
+        top_k: 1,
+        kd: n,
+        n_out: k,
+        experts: e,
+    };
+    launch_gemm(op, &g2, &mut o)?;
+
+    // y[t] = Σ_j w[t, j] · o[t·top_k + j]
+    let f = nvrtc::load(backend, GLUE_FAMILY, GLUE_SRC, "fmoe_topk_reduce", &[])?;
+    let mut b = stream.launch_builder(&f);
+    b.arg(o.buffer())
+        .arg(weights.buffer())
+        .arg(y.buffer_mut()?)
+        .arg(&m64)
+        .arg(&top_k32)
+        .arg(&k32);
+    // SAFETY: (const float*, const float*, float*, u64, u32, u32); o holds M·top_k·K f32, the
+    // weights M·top_k f32 (checked by the caller), y M·K f32.
+    unsafe { b.launch(glue_launch(m)) }.map_err(|e| cuda_error("moe_unfused: topk_reduce", e))?;
+    Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_follows_the_sources_formulas() {
+        let mma = GemmConfig {
+            kind: GemmKind::Mma,
+            bm: 64,
+            bk: 32,
+            stages: 3,
+            wg_n: 256,
+            split_k: true,
+        };
+        assert_eq!(
+            (mma.n_tile(1), mma.n_tile(2), mma.threads()),
+            (64, 128, 128)
+        );
+        assert_eq!(mma.smem_bytes(), 46_080); // 3 · (64 + 128) · 40 · 2
+        assert_eq!(
+            mma.defines(2),
+            [
+                ("MODE", "2".to_string()),
+                ("BK", "32".to_string()),
+                ("STAGES", "3".to_string())
+            ]
+        );
+        let sm90 = GemmConfig {
+            kind: GemmKind::Sm90,
+            bm: 128,
+            stages: 4,
+            wg_n: 128,
+            bk: 64,
+            split_k: true,
+        };
+        assert_eq!(
+            (sm90.n_tile(1), sm90.n_tile(2), sm90.threads()),
+            (64, 128, 256)
+        );
+        assert_eq!(sm90.smem_bytes(), 4 * (128 + 128) * 64 * 2 + 1024);
+        // Decode on Mixtral's GEMM2 (K = 4096 outputs, N = 14336 reduction): 2 routes in 2 tiles,
+        // 32 N tiles → ceil(4 · 132 / 64) = 9 splits (≤ 14336 / 32 / 8 = 56).
+        assert_eq!(mma.splits(2, 8, 128, 32, 14336, 132), 9);
+        // Prefill fills the GPU without splitting.
+        assert_eq!(mma.splits(8192, 8, 8704, 32, 14336, 132), 1);
+        // A short reduction is never split, nor with split_k off.
+        assert_eq!(mma.splits(2, 8, 128, 1, 64, 132), 1);
+        let off = GemmConfig {
+            split_k: false,
+            ..mma
+        };
+        assert_eq!(off.splits(2, 8, 128, 32, 14336, 132), 1);
+        assert_eq!(BM, GEMM.bm);
+    }
+}
+
+#[cfg(test)]
+mod select_tests {
+    use super::*;
+
+    #[test]
+    fn hopper_picks_wgmma_tiles_by_routes_per_expert_and_others_get_mma() {
+        let h = (9, 0);
+        assert_eq!(GemmConfig::select(h, 2, 8), SM90_SMALL); // decode
+        assert_eq!(GemmConfig::select(h, 127 * 8, 8), SM90_SMALL);
+        assert_eq!(GemmConfig::select(h, 128 * 8, 8), SM90_LARGE);
+        assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
+        assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
+        assert_eq!(GemmConfig::select((10, 0), 1 << 20, 8), MMA); // sm_90a code does not run there
+    }
+
+    #[test]
+    fn aligned_routes_find_their_kernel() {
+        for cfg in [SM90_SMALL, SM90_LARGE] {
+            assert_eq!(GemmConfig::for_block_m((9, 0), cfg.bm), Some(cfg));
+        }
+        assert_eq!(GemmConfig::for_block_m((8, 9), 64), Some(MMA));
+        assert_eq!(GemmConfig::for_block_m((8, 9), 128), None);
+        assert_eq!(GemmConfig::for_block_m((9, 0), 16), None);
+        // Shared memory stays within the 227 KiB a Hopper block may opt into.
+        for cfg in [SM90_SMALL, SM90_LARGE, MMA] {
+            assert!(cfg.smem_bytes() <= 227 * 1024, "{cfg:?}");
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The MoE kernels' CUDA twins against their CPU twins: `moe_align`, the grouped GEMMs' contract
+//! errors, and `elementwise`.
+//!
+//! Without a CUDA device every test prints "skipping: <reason>" and passes, unless
+//! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure. Allocations are poisoned (0xFF), so
+//! an output element a kernel never writes shows up as NaN / u32::MAX.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::Error;
+use fmoe_kernels::elementwise;
+use fmoe_kernels::moe_align::{AlignedRoutes, align_routes, capacity};
+use fmoe_kernels::moe_gemm::{self, ActOperand, CUDA_BLOCK_M, WeightOperand};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const CUDA: Device = Device::Cuda(0);
+
+fn backend_or_skip() -> Option<Arc<CudaBackend>> {
+    match cuda_backend(0) {
+        Ok(b) => {
+            set_poison_allocations(true);
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
+fn u32s(t: &Tensor) -> Vec<u32> {
+    let t = t.to_device(Device::Cpu).unwrap();
+    t.cpu_slice::<u32>("test", "t").unwrap().to_vec()
+}
+
+/// The GPU alignment describes the same grouping as the CPU twin: same counts, offsets, total and
+/// block experts; the same set of routes in each expert's run (order is unspecified on the GPU);
+/// pad in the padding slots and in every slot past the total.
+fn assert_same_alignment(gpu: &AlignedRoutes, cpu: &AlignedRoutes, what: &str) {
+    let bm = cpu.block_m;
+    let total = cpu.slots();
+    assert_eq!(gpu.total_host().unwrap(), total, "{what}: total");
+    assert_eq!(
+        gpu.slots(),
+        capacity(cpu.num_routes, cpu.num_experts, bm),
+        "{what}"
+    );
+    assert_eq!(
+        u32s(&gpu.expert_counts),
+        u32s(&cpu.expert_counts),
+        "{what}: counts"
+    );
+    let offsets = u32s(&cpu.expert_offsets);
+    assert_eq!(u32s(&gpu.expert_offsets), offsets, "{what}: offsets");
+    let blocks = u32s(&gpu.block_experts);
+    assert_eq!(
+        &blocks[..total / bm],
+        &u32s(&cpu.block_experts)[..],
+        "{what}: block experts"
+    );
+    assert!(
+        blocks[total / bm..]
+            .iter()
+            .all(|&b| b as usize == cpu.num_experts),
+        "{what}: blocks past the total"
+    );
+    let (gs, cs) = (u32s(&gpu.sorted_routes), u32s(&cpu.sorted_routes));
+    for e in 0..cpu.num_experts {
+        let run = offsets[e] as usize..offsets[e + 1] as usize;
+        let g: BTreeSet<u32> = gs[run.clone()].iter().copied().collect();
+        let c: BTreeSet<u32> = cs[run.clone()].iter().copied().collect();
+        assert_eq!(g, c, "{what}: expert {e}");
+        let pads = gs[run].iter().filter(|&&r| r == cpu.pad()).count();
+        assert_eq!(
+            pads,
+            (offsets[e + 1] - offsets[e]) as usize - u32s(&cpu.expert_counts)[e] as usize,
+            "{what}: expert {e} padding"
+        );
+    }
+    assert!(
+        gs[total..].iter().all(|&r| r == cpu.pad()),
+        "{what}: slots past the total"
+    );
+}
+
+#[test]
+fn moe_align_matches_the_cpu_twin() {
+    let Some(_b) = backend_or_skip() else {
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa11);
+    let cases: [(usize, usize, usize); 9] = [
+        (0, 8, 2),
+        (1, 8, 2),
+        (1, 256, 8),
+        (7, 1, 1),
+        (5, 4, 4),
+        (300, 256, 8),
+        (2048, 8, 2),
+        (4096, 256, 8),
+        (16384, 8, 2),
+    ];
+    for (m, e, k) in cases {
+        // Skewed ids: half the experts take most routes, some get none.
+        let ids: Vec<u32> = (0..m * k)
+            .map(|_| {
+                if rng.random::<f32>() < 0.8 {
+                    rng.random_range(0..e.div_ceil(2)) as u32
+                } else {
+                    rng.random_range(0..e) as u32
+                }
+            })
+            .collect();
+        let cpu_ids = Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap();
+        for bm in [CUDA_BLOCK_M, 16] {
+            let what = format!("M={m} E={e} k={k} block_m={bm}");
+            let cpu = align_routes(&cpu_ids, e, bm).unwrap();
+            let gpu = align_routes(&cpu_ids.to_device(CUDA).unwrap(), e, bm).unwrap();
+            assert_eq!(gpu.device(), CUDA);
+            gpu.check().unwrap();
+            assert_same_alignment(&gpu, &cpu, &what);
+            assert_eq!(
+                gpu.experts_touched().unwrap(),
+                cpu.experts_touched().unwrap()
+            );
+        }
+    }
+}
+
+#[test]
+fn out_of_range_expert_ids_are_reported_by_check() {
+    let Some(_b) = backend_or_skip() else {
+        return;
+    };
+    let ids = Tensor::from_vec(vec![0u32, 3, 9, 1, 12, 2], [3, 2], &CUDA).unwrap();
+    let a = align_routes(&ids, 8, CUDA_BLOCK_M).unwrap(); // no synchronization, no error yet
+    let err = a.check().unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::ExpertId {
+                id: 9,
+                route: 2,
+                experts: 8,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let cpu_err = align_routes(&ids.to_device(Device::Cpu).unwrap(), 8, CUDA_BLOCK_M)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err.to_string(), cpu_err);
+    // The valid routes are still aligned (the bad ones dropped).
+    assert_eq!(u32s(&a.expert_counts), vec![1, 1, 1, 1, 0, 0, 0, 0]);
+}
+
+#[test]
+fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
+    let Some(_b) = backend_or_skip() else {
+        return;
+    };
+    let (m, e, k, n, top_k) = (3, 2, 100, 32, 1);
+    let x = Tensor::zeros([m, k], DType::BF16, &CUDA).unwrap();
+    let ids = Tensor::zeros([m, top_k], DType::U32, &CUDA).unwrap();
+    let w13 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::BF16, &CUDA).unwrap());
+    let routes = align_routes(&ids, e, CUDA_BLOCK_M).unwrap();
+    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &routes, top_k, &w13)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("K (hidden size") && err.contains("100") && err.contains("multiple of 8"),
+        "{err}"
+    );
+    // Routes aligned for the CPU tile are refused, naming the tile.
+    let (k, x) = (64, Tensor::zeros([m, 64], DType::BF16, &CUDA).unwrap());
+    let w13 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::BF16, &CUDA).unwrap());
+    let small = align_routes(&ids, e, 16).unwrap();
+    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &small, top_k, &w13)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("block_m = 16") && err.contains("64"), "{err}");
+    // f16 and fp8 operands: Unsupported, naming what is missing.
+    let w16 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::F16, &CUDA).unwrap());
+    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &routes, top_k, &w16)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("f16") && err.contains("cuda:0"), "{err}");
+    let w8 = WeightOperand::Fp8PerTensor {
+        q: Tensor::zeros([e, 2 * n, k], DType::F8E4M3, &CUDA).unwrap(),
+        scales: Tensor::full([e], DType::F32, 1.0, &CUDA).unwrap(),
+    };
+    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x), &routes, top_k, &w8)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fp8") && err.contains("no CUDA kernel") && err.contains("moe_gemm"),
+        "{err}"
+    );
+}
+
+#[test]
+fn elementwise_kernels_match_their_cpu_twins() {
+    let Some(_b) = backend_or_skip() else {
+        return;
+    };
+    for n in [0usize, 1, 7, 1000, 100_003] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let what = format!("n={n} {dtype}");
+            // randn: same generator; ln/cos/sqrt differ by a few ulps, bf16/f16 rounding may then
+            // differ by one ulp of the output type.
+            let g = elementwise::randn(&[n], dtype, 0.25, 99, &CUDA).unwrap();
+            assert_eq!((g.device(), g.dtype(), g.dims()), (CUDA, dtype, &[n][..]));
+            let c = elementwise::randn(&[n], dtype, 0.25, 99, &Device::Cpu).unwrap();
+            let (gv, cv) = (g.to_f32_vec().unwrap(), c.to_f32_vec().unwrap());
+            let tol = (2.0 * dtype.unit_roundoff() + 1e-5) as f32;
+            for (i, (a, b)) in gv.iter().zip(&cv).enumerate() {
+                assert!(
+                    (a - b).abs() <= tol * b.abs().max(1.0),
+                    "{what}: randn[{i}] gpu {a} cpu {b}"
+                );
+            }
+            // cast and add: exact (same f32 arithmetic, one round-to-nearest-even).
+            let x = Tensor::from_f32(&cv, [n], DType::F32, &Device::Cpu).unwrap();
+            let xg = x.to_device(CUDA).unwrap();
+            let cast = elementwise::to_dtype(&xg, dtype).unwrap();
+            assert_eq!(cast.device(), CUDA);
+            assert_eq!(
+                cast.to_f32_vec().unwrap(),
+                x.to_dtype(dtype).unwrap().to_f32_vec().unwrap(),
+                "{what}: cast"
+            );
+            let back = elementwise::to_dtype(&cast, DType::F32).unwrap();
+            assert_eq!(back.to_f32_vec().unwrap(), cast.to_f32_vec().unwrap());
+            let y = elementwise::add(&cast, &cast).unwrap();
+            let want = elementwise::add(
+                &cast.to_device(Device::Cpu).unwrap(),
+                &cast.to_device(Device::Cpu).unwrap(),
+            )
+            .unwrap();
+            assert_eq!(
+                y.to_f32_vec().unwrap(),
+                want.to_f32_vec().unwrap(),
+                "{what}: add"
+            );
+        }
+        let b = elementwise::randn(&[n], DType::BF16, 1.0, 5, &CUDA).unwrap();
+        let s = elementwise::sum(&b).unwrap().to_f32_vec().unwrap()[0];
+        let want = elementwise::sum(&b.to_device(Device::Cpu).unwrap())
+            .unwrap()
+            .to_f32_vec()
+            .unwrap()[0];
+        assert!(
+            (s - want).abs() <= 1e-4 * (n as f32).sqrt().max(1.0),
+            "n={n}: sum {s} vs {want}"
+        );
+    }
+    // fp8 has no CUDA cast: an error naming what is missing.
+    let x = Tensor::zeros([4], DType::F32, &CUDA).unwrap();
+    let err = elementwise::to_dtype(&x, DType::F8E4M3)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("f8e4m3") && err.contains("cuda:0"), "{err}");
+}

@@ -1,0 +1,332 @@
+//! DeepSeek-V3 (`DeepseekV3ForCausalLM`), as transformers computes it.
+//!
+//! References: DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437); transformers'
+//! `models/deepseek_v3/modeling_deepseek_v3.py`. Each decoder layer is
+//! `h += mla(rms(h)); h += ffn(rms(h))`, where attention is multi-head latent attention
+//! ([`Mla`]: low-rank q, a compressed KV latent + shared rope key, YaRN with interleaved pairs)
+//! and the FFN is a dense SwiGLU MLP for the first `first_k_dense_replace` layers and a MoE
+//! after: 256 routed experts chosen by "noaux_tc" grouped sigmoid routing (in f32; the
+//! `e_score_correction_bias` steers the choice only; weights renormalized and × 2.5) plus an
+//! always-on shared expert.
+//!
+//! The checkpoint, as this file reads it (`N` < `num_hidden_layers`; the extra multi-token
+//! prediction layers after them are never read):
+//!
+//! ```text
+//! model.embed_tokens.weight                                      [vocab, hidden]
+//! model.layers.N.input_layernorm.weight                          [hidden]
+//! model.layers.N.self_attn.q_a_proj.weight                       [q_lora, hidden]
+//! model.layers.N.self_attn.q_a_layernorm.weight                  [q_lora]
+//! model.layers.N.self_attn.q_b_proj.weight                       [heads·(nope+rope), q_lora]
+//!   (or self_attn.q_proj.weight [heads·(nope+rope), hidden] when q_lora_rank is null)
+//! model.layers.N.self_attn.kv_a_proj_with_mqa.weight             [kv_lora+rope, hidden]
+//! model.layers.N.self_attn.kv_a_layernorm.weight                 [kv_lora]
+//! model.layers.N.self_attn.kv_b_proj.weight                      [heads·(nope+v), kv_lora]
+//! model.layers.N.self_attn.o_proj.weight                         [hidden, heads·v]
+//! model.layers.N.post_attention_layernorm.weight                 [hidden]
+//! dense layers:  model.layers.N.mlp.{gate,up,down}_proj.weight   [I, hidden] [I, hidden] [hidden, I]
+//! MoE layers:    model.layers.N.mlp.gate.weight                  [experts, hidden]
+//!                model.layers.N.mlp.gate.e_score_correction_bias [experts] (f32)
+//!                model.layers.N.mlp.experts.J.{gate,up,down}_proj.weight
+//!                model.layers.N.mlp.shared_experts.{gate,up,down}_proj.weight
+//! model.norm.weight                                              [hidden]
+//! lm_head.weight                                                 [vocab, hidden]
+//! ```
+//!
+//! fp8 checkpoints (DeepSeek's own: 128×128 blocks) add `weight_scale_inv` beside every
+//! attention, MLP and expert linear; embeddings, norms, the router gate and its bias, and
+//! lm_head stay unquantized.
+
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_moe::{FusedMoe, MoeConfig, Routing};
+
+use crate::config::QuantizationConfig;
+use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
+use crate::layers::{
+    Embedding, ExpertNames, Linear, Mla, MlaSpec, Mlp, MoeBlock, RmsNorm, RopeStyle, Rotary,
+    WeightScale, add_in_place,
+};
+use crate::loader::Vb;
+use crate::model::{CausalLm, ForwardBatch, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk};
+use crate::{Error, Result};
+
+pub use crate::config::DeepseekV3Config as Config;
+
+/// The routing a MoE layer chose for each token of a forward pass (see
+/// [`DeepseekV3ForCausalLM::forward_traced`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouterTrace {
+    pub layer: usize,
+    pub top_k: usize,
+    /// [tokens, top_k] expert ids, best first.
+    pub ids: Vec<u32>,
+    /// [tokens, top_k] routing weights (renormalized and scaled).
+    pub weights: Vec<f32>,
+}
+
+enum Ffn {
+    Dense(Mlp),
+    Moe(MoeBlock),
+}
+
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: Mla,
+    post_attention_layernorm: RmsNorm,
+    mlp: Ffn,
+}
+
+impl DecoderLayer {
+    fn load(
+        cfg: &Config,
+        i: usize,
+        spec: MlaSpec,
+        vb: &Vb,
+        quant: &QuantizationConfig,
+        moe: &MoeOptions,
+    ) -> Result<DecoderLayer> {
+        let h = cfg.hidden_size;
+        let input_layernorm = RmsNorm::load(&vb.pp("input_layernorm"), h, cfg.rms_norm_eps)?;
+        let self_attn = Mla::load(&vb.pp("self_attn"), spec, quant)?;
+        let post_attention_layernorm =
+            RmsNorm::load(&vb.pp("post_attention_layernorm"), h, cfg.rms_norm_eps)?;
+        let mlp = if cfg.is_moe_layer(i) {
+            Ffn::Moe(load_moe(cfg, &vb.pp("mlp"), quant, moe)?)
+        } else {
+            Ffn::Dense(Mlp::load(&vb.pp("mlp"), h, cfg.intermediate_size, quant)?)
+        };
+        Ok(DecoderLayer {
+            input_layernorm,
+            self_attn,
+            post_attention_layernorm,
+            mlp,
+        })
+    }
+}
+
+/// Router gate (unquantized) + bias + routed experts + shared expert under `vb` (`…mlp`).
+fn load_moe(
+    cfg: &Config,
+    vb: &Vb,
+    quant: &QuantizationConfig,
+    moe: &MoeOptions,
+) -> Result<MoeBlock> {
+    let (e, h, inter) = (
+        cfg.n_routed_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+    );
+    let gate = Linear::load(&vb.pp("gate"), e, h, &QuantizationConfig::None)?;
+    let bias = vb
+        .pp("gate")
+        .get("e_score_correction_bias", &[e], &[DType::F32, DType::BF16])?
+        .to_dtype(DType::F32)?;
+    let experts = load_experts(&vb.pp("experts"), ExpertNames::DEFAULT, e, h, inter, quant)?;
+    let shared = cfg
+        .shared_intermediate()
+        .map(|ns| load_single_expert(&vb.pp("shared_experts"), ExpertNames::DEFAULT, h, ns, quant))
+        .transpose()?;
+    let config = MoeConfig {
+        num_experts: e,
+        top_k: cfg.num_experts_per_tok,
+        hidden: h,
+        intermediate: inter,
+        routing: Routing::GroupedSigmoid {
+            n_group: cfg.n_group,
+            topk_group: cfg.topk_group,
+            renormalize: cfg.norm_topk_prob,
+            routed_scaling_factor: cfg.routed_scaling_factor as f32,
+        },
+        shared_intermediate: cfg.shared_intermediate(),
+    };
+    let scheme = resolve_scheme(quant, moe.scheme)?;
+    let fused = FusedMoe::new(
+        config,
+        scheme,
+        experts,
+        shared,
+        Some(bias.clone()),
+        &moe.switches,
+        moe.device,
+    )?;
+    Ok(MoeBlock::with_selection_bias(gate, fused, bias))
+}
+
+/// DeepSeek-V3 with a language-model head.
+pub struct DeepseekV3ForCausalLM {
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    info: ModelInfo,
+}
+
+impl DeepseekV3ForCausalLM {
+    /// Tensors [`DeepseekV3ForCausalLM::load`] reads (for the progress bar).
+    pub fn num_tensors(cfg: &Config) -> u64 {
+        let quant = cfg.quantization().unwrap_or(QuantizationConfig::None);
+        let per_linear = match quant {
+            QuantizationConfig::None => 1,
+            _ => 2,
+        };
+        let attn = match cfg.q_lora_rank {
+            Some(_) => 2 * per_linear + 1,
+            None => per_linear,
+        } + 3 * per_linear
+            + 1;
+        let dense = 3 * per_linear;
+        let shared = if cfg.n_shared_experts > 0 { 3 } else { 0 };
+        let moe = 2 + (3 * cfg.n_routed_experts + shared) * per_linear;
+        let layers: usize = (0..cfg.num_hidden_layers)
+            .map(|i| 2 + attn + if cfg.is_moe_layer(i) { moe } else { dense })
+            .sum();
+        let head = if cfg.tie_word_embeddings { 0 } else { 1 };
+        (2 + head + layers) as u64
+    }
+
+    /// Builds the model from `vb` (the checkpoint root). `moe` picks the MoE method, kernels and
+    /// device; attention, dense MLPs, the router and the head run on the CPU in f32 from their
+    /// stored weights.
+    pub fn load(cfg: &Config, vb: &Vb, moe: &MoeOptions) -> Result<DeepseekV3ForCausalLM> {
+        let bad = |m: String| Error::Options(format!("DeepseekV3ForCausalLM: {m}"));
+        let quant = cfg.quantization().map_err(bad)?;
+        let rope = cfg.rope().map_err(bad)?;
+        let spec = MlaSpec::from_config(cfg).map_err(bad)?;
+        let m = vb.pp("model");
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let embed_tokens = Embedding::load(&m.pp("embed_tokens"), v, h)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| DecoderLayer::load(cfg, i, spec, &m.pp("layers").pp(i), &quant, moe))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&m.pp("norm"), h, cfg.rms_norm_eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(
+                "model.embed_tokens.weight",
+                embed_tokens.weight().clone(),
+                WeightScale::None,
+            )?
+        } else {
+            Linear::load(&vb.pp("lm_head"), v, h, &QuantizationConfig::None)?
+        };
+        let moe_summary = layers.iter().find_map(|l| match &l.mlp {
+            Ffn::Moe(b) => Some((b.experts().scheme(), b.experts().kernel().family)),
+            Ffn::Dense(_) => None,
+        });
+        let info = ModelInfo {
+            architecture: "DeepseekV3ForCausalLM",
+            vocab_size: v,
+            max_position_embeddings: cfg.max_position_embeddings,
+            eos_token_ids: cfg.eos_token_ids(),
+            bos_token_id: cfg.bos_token_id,
+            kv_layout: KvLayout {
+                num_layers: cfg.num_hidden_layers,
+                streams: spec.cache_streams(),
+            },
+            moe: moe_summary,
+        };
+        Ok(DeepseekV3ForCausalLM {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary: Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved),
+            info,
+        })
+    }
+
+    /// The MoE layers (kernel choice, method) for inspection.
+    pub fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
+        self.layers.iter().filter_map(|l| match &l.mlp {
+            Ffn::Moe(b) => Some(b.experts()),
+            Ffn::Dense(_) => None,
+        })
+    }
+
+    /// The attention blocks, for choosing how they attend ([`Mla::set_path`]).
+    pub fn attention_mut(&mut self) -> impl Iterator<Item = &mut Mla> {
+        self.layers.iter_mut().map(|l| &mut l.self_attn)
+    }
+
+    /// [`CausalLm::forward`], also returning every MoE layer's routing of the batch's tokens.
+    pub fn forward_traced(
+        &self,
+        chunks: &[SeqChunk],
+        cache: &mut dyn KvCache,
+        which: LogitsFor,
+    ) -> Result<(Tensor, Vec<RouterTrace>)> {
+        let mut trace = Vec::new();
+        let logits = self.run(chunks, cache, which, Some(&mut trace))?;
+        Ok((logits, trace))
+    }
+
+    fn run(
+        &self,
+        chunks: &[SeqChunk],
+        cache: &mut dyn KvCache,
+        which: LogitsFor,
+        mut trace: Option<&mut Vec<RouterTrace>>,
+    ) -> Result<Tensor> {
+        let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
+        let t = batch.num_tokens();
+        let rope = self.rotary.table(&batch.positions);
+        let mut h = self.embed_tokens.forward(&batch.tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = layer.input_layernorm.forward(&h)?;
+            let a = layer
+                .self_attn
+                .forward(&a, &batch, &self.rotary, &rope, i, cache)?;
+            add_in_place(&mut h, &a);
+            let m = layer.post_attention_layernorm.forward(&h)?;
+            let m = match &layer.mlp {
+                Ffn::Dense(mlp) => mlp.forward(&m, t)?,
+                Ffn::Moe(block) => match trace.as_deref_mut() {
+                    None => block.forward(&m, t)?,
+                    Some(trace) => {
+                        let mut topk = Vec::with_capacity(1);
+                        let y = block.forward_traced(&m, t, Some(&mut topk))?;
+                        for tk in topk {
+                            const OP: &str = "DeepseekV3ForCausalLM::forward_traced";
+                            trace.push(RouterTrace {
+                                layer: i,
+                                top_k: tk.ids.dims().get(1).copied().unwrap_or(0),
+                                ids: tk.ids.cpu_slice::<u32>(OP, "topk_ids")?.to_vec(),
+                                weights: tk.weights.to_f32_vec()?,
+                            });
+                        }
+                        y
+                    }
+                },
+            };
+            add_in_place(&mut h, &m);
+        }
+        let hidden = self.embed_tokens.weight().dims()[1];
+        let rows = batch.logit_rows(which);
+        let picked: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| h[r * hidden..(r + 1) * hidden].iter().copied())
+            .collect();
+        let normed = self.norm.forward(&picked)?;
+        let logits = self.lm_head.forward(&normed, rows.len())?;
+        Ok(Tensor::from_vec(
+            logits,
+            [rows.len(), self.info.vocab_size],
+            &Device::Cpu,
+        )?)
+    }
+}
+
+impl CausalLm for DeepseekV3ForCausalLM {
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    fn forward(
+        &self,
+        chunks: &[SeqChunk],
+        cache: &mut dyn KvCache,
+        which: LogitsFor,
+    ) -> Result<Tensor> {
+        self.run(chunks, cache, which, None)
+    }
+}

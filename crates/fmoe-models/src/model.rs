@@ -1,0 +1,174 @@
+//! What a model offers the engine ([`CausalLm`]) and what it needs from it ([`KvCache`]).
+//!
+//! A forward pass takes [`SeqChunk`]s: for each sequence, the tokens not yet in its cache and the
+//! position of the first. Prefill passes the whole prompt, decode one token per sequence; both are
+//! the same call, so a batch may mix them. The model appends what attention needs to the cache
+//! (per layer, per sequence, in "streams" of fixed width per token: Mixtral keeps K and V; MLA
+//! will keep the compressed latent and the shared rope key) and returns logits.
+
+use std::collections::HashSet;
+
+use fmoe_core::Tensor;
+
+use crate::{Error, Result};
+
+/// A sequence's handle in the KV cache.
+pub type SeqId = u64;
+
+/// What a model caches per token and layer: `streams[i]` f32 values in stream `i`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_layers: usize,
+    pub streams: Vec<usize>,
+}
+
+/// Per-layer, per-sequence cache storage, owned by the engine. Rows are appended in token order;
+/// a stream is read back as one contiguous `[tokens, width]` slice.
+pub trait KvCache: Sync {
+    /// Tokens cached for `seq` at `layer` (in stream 0).
+    fn cached(&self, seq: SeqId, layer: usize) -> Result<usize>;
+    /// Appends `rows` (whole rows of the stream's width) for `seq` at `layer`.
+    fn append(&mut self, seq: SeqId, layer: usize, stream: usize, rows: &[f32]) -> Result<()>;
+    /// Everything cached for `seq` in one stream of `layer`.
+    fn stream(&self, seq: SeqId, layer: usize, stream: usize) -> Result<&[f32]>;
+}
+
+/// New tokens of one sequence. `start_pos` must equal the number of tokens already cached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SeqChunk {
+    pub seq: SeqId,
+    pub tokens: Vec<u32>,
+    pub start_pos: usize,
+}
+
+/// Which positions get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every token of the batch: `[total tokens, vocab]`.
+    All,
+    /// The last token of each chunk: `[chunks, vocab]` (prefill for generation, and decode).
+    Last,
+}
+
+/// Facts about a loaded model the engine needs.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub architecture: &'static str,
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub bos_token_id: Option<u32>,
+    pub kv_layout: KvLayout,
+    /// The MoE layers' method and kernel family (the same for every layer of a model).
+    pub moe: Option<(fmoe_moe::QuantScheme, fmoe_moe::KernelFamily)>,
+}
+
+/// A causal language model.
+pub trait CausalLm: Send + Sync {
+    fn info(&self) -> &ModelInfo;
+
+    /// Runs `chunks` (each sequence at most once), appending to `cache`; returns f32 logits as
+    /// `which` says. After an error the cache of the batch's sequences may hold a partial pass:
+    /// drop those sequences.
+    fn forward(
+        &self,
+        chunks: &[SeqChunk],
+        cache: &mut dyn KvCache,
+        which: LogitsFor,
+    ) -> Result<Tensor>;
+}
+
+/// One sequence's tokens within a flattened batch.
+#[derive(Clone, Debug)]
+pub struct Span {
+    pub seq: SeqId,
+    /// First row of the sequence in the batch's `[tokens, ...]` activations.
+    pub offset: usize,
+    pub len: usize,
+    /// Position of the first token (= tokens already cached).
+    pub start_pos: usize,
+}
+
+/// A validated batch: flattened tokens, their positions, and per-sequence spans.
+#[derive(Clone, Debug)]
+pub struct ForwardBatch {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    pub spans: Vec<Span>,
+}
+
+impl ForwardBatch {
+    /// Checks `chunks` against the cache (each sequence once, no empty chunk, `start_pos` equal to
+    /// what is cached, positions below `max_positions`) and flattens them.
+    pub fn new(
+        chunks: &[SeqChunk],
+        cache: &dyn KvCache,
+        max_positions: usize,
+    ) -> Result<ForwardBatch> {
+        const OP: &str = "CausalLm::forward";
+        if chunks.is_empty() {
+            return Err(Error::input(OP, "empty batch"));
+        }
+        let mut seen = HashSet::new();
+        let mut b = ForwardBatch {
+            tokens: Vec::new(),
+            positions: Vec::new(),
+            spans: Vec::with_capacity(chunks.len()),
+        };
+        for c in chunks {
+            if !seen.insert(c.seq) {
+                return Err(Error::input(
+                    OP,
+                    format!("sequence {} appears twice in one batch", c.seq),
+                ));
+            }
+            if c.tokens.is_empty() {
+                return Err(Error::input(
+                    OP,
+                    format!("sequence {} has no tokens", c.seq),
+                ));
+            }
+            let cached = cache.cached(c.seq, 0)?;
+            if cached != c.start_pos {
+                return Err(Error::input(
+                    OP,
+                    format!(
+                        "sequence {}: start_pos {} but {cached} tokens are cached",
+                        c.seq, c.start_pos
+                    ),
+                ));
+            }
+            let end = c.start_pos + c.tokens.len();
+            if end > max_positions {
+                return Err(Error::input(
+                    OP,
+                    format!(
+                        "sequence {} would reach position {end}, beyond max_position_embeddings {max_positions}",
+                        c.seq
+                    ),
+                ));
+            }
+            b.spans.push(Span {
+                seq: c.seq,
+                offset: b.tokens.len(),
+                len: c.tokens.len(),
+                start_pos: c.start_pos,
+            });
+            b.tokens.extend_from_slice(&c.tokens);
+            b.positions.extend(c.start_pos..end);
+        }
+        Ok(b)
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Rows whose logits `which` asks for.
+    pub fn logit_rows(&self, which: LogitsFor) -> Vec<usize> {
+        match which {
+            LogitsFor::All => (0..self.tokens.len()).collect(),
+            LogitsFor::Last => self.spans.iter().map(|s| s.offset + s.len - 1).collect(),
+        }
+    }
+}

@@ -1,0 +1,492 @@
+//! The MoE layer on CUDA, both kernel families, against the f64 reference on the CPU, on fresh
+//! seeded random data; fp8 checkpoints loading onto CUDA; bad input as errors. (The fp8 methods'
+//! accuracy and the dispatch truth table on CUDA are in `cuda_moe_fp8.rs`.)
+//!
+//! Without a CUDA device every test prints "skipping: <reason>" and passes, unless
+//! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure. Every allocation is poisoned (0xFF
+//! bytes: NaN in bf16/f32), so an output element no kernel wrote fails the finiteness check.
+//!
+//! Tolerance: relative 2-norm error ≤ 1e-2 against `moe_f64` over the same bf16 x, w13, w2 and
+//! routing. The CUDA path rounds twice to bf16, each a relative error ≤ u = 2⁻⁸: the intermediate
+//! h (GEMM1's epilogue writes bf16, GEMM2 reads it) and the output y (f32 → bf16). Products of
+//! bf16 values are exact in f32 and the sums of lengths K and N accumulate in f32, adding
+//! ≤ (K + N)·2⁻²⁴ (< 2e-4 for K + N ≤ 2048, worst case; √(K+N)·2⁻²⁴ typical); `__expf` in SiLU
+//! is within 2 ulp of f32. Total ≤ 2·2⁻⁸ + 2e-4 ≈ 8.0e-3 < 1e-2. With a shared expert, y and the
+//! shared output are each rounded to bf16 and their sum once more: 3·2⁻⁸ + 2e-4 ≈ 1.19e-2, so
+//! that test allows 1.25e-2.
+
+use std::sync::Arc;
+
+use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::env::FusedSwitches;
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::moe_align::align_routes;
+use fmoe_kernels::moe_gemm::CUDA_BLOCK_M;
+use fmoe_kernels::quant_fp8::{self, FP8_BLOCK};
+use fmoe_kernels::routing::{TopK, topk_softmax};
+use fmoe_moe::reference::{moe_f64, rel_err};
+use fmoe_moe::stages::ExpertOperands;
+use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+const CUDA: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+/// See the module docs.
+const TOL: f64 = 1e-2;
+const TOL_SHARED: f64 = 1.25e-2;
+
+fn backend_or_skip() -> Option<Arc<CudaBackend>> {
+    match cuda_backend(0) {
+        Ok(b) => {
+            set_poison_allocations(true);
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| StandardNormal.sample(rng))
+        .map(|v: f32| v * scale)
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    m: usize,
+    e: usize,
+    k: usize,
+    n: usize,
+    top_k: usize,
+}
+
+const fn case(m: usize, e: usize, k: usize, n: usize, top_k: usize) -> Case {
+    Case { m, e, k, n, top_k }
+}
+
+/// M = 0, 1, 7, 300; E = 1 and 256 (top-8, most experts without tokens at M = 7); top-k = E; N
+/// not a multiple of the 64/128 tiles (72, 200, 1000); K with a ragged 32-wide K tile (136).
+const SMALL: &[Case] = &[
+    case(0, 8, 256, 128, 2),
+    case(1, 8, 256, 128, 2),
+    case(7, 1, 128, 200, 1),
+    case(7, 4, 136, 72, 4),
+    case(7, 256, 256, 128, 8),
+    case(300, 8, 512, 1000, 2),
+    case(300, 256, 256, 200, 8),
+];
+
+/// M = 2048 (also with E = 256, top-8) and M = 16384 on a smaller K/N.
+const LARGE: &[Case] = &[
+    case(2048, 8, 1024, 1000, 2),
+    case(2048, 256, 256, 136, 8),
+    case(16384, 8, 256, 128, 2),
+];
+
+fn config(c: &Case) -> MoeConfig {
+    MoeConfig {
+        num_experts: c.e,
+        top_k: c.top_k,
+        hidden: c.k,
+        intermediate: c.n,
+        routing: Routing::Softmax { renormalize: true },
+        shared_intermediate: None,
+    }
+}
+
+fn switches(family: KernelFamily) -> FusedSwitches {
+    FusedSwitches {
+        use_fused: family == KernelFamily::Fused,
+        use_fused_moe: true,
+        use_fused_fp8_block_scaled_moe: true,
+    }
+}
+
+/// Host data of one case: x bf16 [M, K], logits f32 [M, E], w13 bf16 [E, 2N, K], w2 bf16 [E, K, N].
+struct Inputs {
+    x: Tensor,
+    logits: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+}
+
+fn inputs(c: &Case, seed: u64) -> Inputs {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x = randn(&mut rng, c.m * c.k, 1.0);
+    let logits = randn(&mut rng, c.m * c.e, 1.0);
+    let w13 = randn(&mut rng, c.e * 2 * c.n * c.k, 1.0 / (c.k as f32).sqrt());
+    let w2 = randn(&mut rng, c.e * c.k * c.n, 1.0 / (c.n as f32).sqrt());
+    Inputs {
+        x: Tensor::from_f32(&x, [c.m, c.k], DType::BF16, &CPU).unwrap(),
+        logits: Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap(),
+        w13: Tensor::from_f32(&w13, [c.e, 2 * c.n, c.k], DType::BF16, &CPU).unwrap(),
+        w2: Tensor::from_f32(&w2, [c.e, c.k, c.n], DType::BF16, &CPU).unwrap(),
+    }
+}
+
+fn host_topk(t: &TopK) -> TopK {
+    TopK {
+        weights: t.weights.to_device(CPU).unwrap(),
+        ids: t.ids.to_device(CPU).unwrap(),
+    }
+}
+
+fn gpu_layer(c: &Case, inp: &Inputs, family: KernelFamily) -> FusedMoe {
+    let experts = CheckpointExperts::Dense {
+        w13: inp.w13.to_device(CUDA).unwrap(),
+        w2: inp.w2.to_device(CUDA).unwrap(),
+    };
+    let layer = FusedMoe::new(
+        config(c),
+        QuantScheme::Unquantized,
+        experts,
+        None,
+        None,
+        &switches(family),
+        CUDA,
+    )
+    .unwrap();
+    assert_eq!(layer.kernel().family, family);
+    layer
+}
+
+/// Runs one case through both families with routing `topk` (on the device) and checks each against
+/// the f64 reference and against each other.
+fn check_case(what: &str, c: &Case, inp: &Inputs, topk: &TopK) {
+    let x = inp.x.to_device(CUDA).unwrap();
+    let want = moe_f64(
+        &inp.x,
+        &host_topk(topk),
+        &ExpertOperands::unquantized(&inp.w13, &inp.w2),
+    )
+    .unwrap();
+    let mut outs = Vec::new();
+    for family in KernelFamily::ALL {
+        let layer = gpu_layer(c, inp, family);
+        let y = layer.forward_routed(&x, topk).unwrap();
+        assert_eq!(
+            (y.device(), y.dtype(), y.dims()),
+            (CUDA, DType::BF16, &[c.m, c.k][..]),
+            "{what} {family}"
+        );
+        let got = y.to_f32_vec().unwrap();
+        if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+            panic!("{what} {family}: y[{i}] = {} (unwritten?)", got[i]);
+        }
+        let err = rel_err(&got, &want);
+        println!("{what} {family:>8}: rel_err {err:.2e}");
+        assert!(err <= TOL, "{what} {family}: rel_err {err:.3e} > {TOL:e}");
+        outs.push(got);
+    }
+    let f: Vec<f64> = outs[1].iter().map(|&v| f64::from(v)).collect();
+    let d = rel_err(&outs[0], &f);
+    assert!(d <= TOL, "{what}: fused vs portable {d:.3e}");
+}
+
+fn run_cases(cases: &[Case], seed0: u64) {
+    for (i, c) in cases.iter().enumerate() {
+        let what = format!("{c:?}");
+        let inp = inputs(c, seed0 + i as u64);
+        // The layer's own routing on the device (topk_softmax's CUDA twin); the reference uses the
+        // same ids and weights, downloaded.
+        let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+        check_case(&what, c, &inp, &topk);
+    }
+}
+
+#[test]
+fn small_shapes_match_the_f64_reference() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(SMALL, 7000);
+}
+
+#[test]
+fn large_shapes_match_the_f64_reference() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(LARGE, 8000);
+}
+
+#[test]
+fn small_experts_without_tokens_and_forward_with_routing() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    // Only experts 1 and 6 of 8 receive routes (the first and last expert get none).
+    let c = case(37, 8, 264, 200, 2);
+    let inp = inputs(&c, 9000);
+    let ids: Vec<u32> = (0..c.m * 2)
+        .map(|r| if r % 2 == 0 { 1 } else { 6 })
+        .collect();
+    let weights: Vec<f32> = (0..c.m * 2)
+        .map(|r| if r % 2 == 0 { 0.75 } else { 0.25 })
+        .collect();
+    let topk = TopK {
+        ids: Tensor::from_vec(ids, [c.m, 2], &CUDA).unwrap(),
+        weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
+    };
+    check_case("experts 1 and 6 only", &c, &inp, &topk);
+
+    // forward() routes on the device itself: the same as routing first.
+    let c = case(65, 8, 128, 96, 2);
+    let inp = inputs(&c, 9001);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let logits = inp.logits.to_device(CUDA).unwrap();
+    let topk = host_topk(&topk_softmax(&logits, 2, true).unwrap());
+    let want = moe_f64(
+        &inp.x,
+        &topk,
+        &ExpertOperands::unquantized(&inp.w13, &inp.w2),
+    )
+    .unwrap();
+    for family in KernelFamily::ALL {
+        let y = gpu_layer(&c, &inp, family).forward(&x, &logits).unwrap();
+        let err = rel_err(&y.to_f32_vec().unwrap(), &want);
+        assert!(err <= TOL, "forward {family}: {err:.3e}");
+    }
+}
+
+#[test]
+fn small_shared_expert_is_added_on_the_device() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(19, 8, 128, 64, 2);
+    let ns = 136;
+    let inp = inputs(&c, 9100);
+    let mut rng = ChaCha8Rng::seed_from_u64(9101);
+    let sw13 = Tensor::from_f32(
+        &randn(&mut rng, 2 * ns * c.k, 1.0 / (c.k as f32).sqrt()),
+        [1, 2 * ns, c.k],
+        DType::BF16,
+        &CPU,
+    )
+    .unwrap();
+    let sw2 = Tensor::from_f32(
+        &randn(&mut rng, c.k * ns, 1.0 / (ns as f32).sqrt()),
+        [1, c.k, ns],
+        DType::BF16,
+        &CPU,
+    )
+    .unwrap();
+    let topk = topk_softmax(&inp.logits, 2, true).unwrap();
+    let all = TopK {
+        ids: Tensor::zeros([c.m, 1], DType::U32, &CPU).unwrap(),
+        weights: Tensor::full([c.m, 1], DType::F32, 1.0, &CPU).unwrap(),
+    };
+    let routed = moe_f64(
+        &inp.x,
+        &topk,
+        &ExpertOperands::unquantized(&inp.w13, &inp.w2),
+    )
+    .unwrap();
+    let shared = moe_f64(&inp.x, &all, &ExpertOperands::unquantized(&sw13, &sw2)).unwrap();
+    let want: Vec<f64> = routed.iter().zip(&shared).map(|(a, b)| a + b).collect();
+    let cfg = MoeConfig {
+        shared_intermediate: Some(ns),
+        ..config(&c)
+    };
+    let x = inp.x.to_device(CUDA).unwrap();
+    let gtopk = TopK {
+        ids: topk.ids.to_device(CUDA).unwrap(),
+        weights: topk.weights.to_device(CUDA).unwrap(),
+    };
+    for family in KernelFamily::ALL {
+        // Host checkpoint tensors: FusedMoe::new moves them to the device.
+        let layer = FusedMoe::new(
+            cfg.clone(),
+            QuantScheme::Unquantized,
+            CheckpointExperts::Dense {
+                w13: inp.w13.clone(),
+                w2: inp.w2.clone(),
+            },
+            Some(CheckpointExperts::Dense {
+                w13: sw13.clone(),
+                w2: sw2.clone(),
+            }),
+            None,
+            &switches(family),
+            CUDA,
+        )
+        .unwrap();
+        let y = layer.forward_routed(&x, &gtopk).unwrap();
+        assert_eq!((y.device(), y.dtype()), (CUDA, DType::BF16));
+        let got = y.to_f32_vec().unwrap();
+        assert!(got.iter().all(|v| v.is_finite()), "{family}");
+        let err = rel_err(&got, &want);
+        println!("shared expert {family}: rel_err {err:.2e}");
+        assert!(err <= TOL_SHARED, "shared {family}: {err:.3e}");
+    }
+}
+
+/// fp8 checkpoints (quantized on the host) for the fp8 schemes, dense bf16 for unquantized.
+fn experts_for(scheme: QuantScheme, w13: &Tensor, w2: &Tensor) -> CheckpointExperts {
+    match scheme {
+        QuantScheme::Unquantized => CheckpointExperts::Dense {
+            w13: w13.clone(),
+            w2: w2.clone(),
+        },
+        QuantScheme::Fp8PerTensor => {
+            let per = |w: &Tensor| {
+                let (mut q, mut s) = (Vec::new(), Vec::new());
+                for e in 0..w.dims()[0] {
+                    let (qe, se) = quant_fp8::quantize_per_tensor(&w.index0(e).unwrap()).unwrap();
+                    q.push(qe);
+                    s.extend(se.to_f32_vec().unwrap());
+                }
+                let n = s.len();
+                (
+                    Tensor::stack0(&q).unwrap(),
+                    Tensor::from_vec(s, [n], &CPU).unwrap(),
+                )
+            };
+            let ((q13, s13), (q2, s2)) = (per(w13), per(w2));
+            CheckpointExperts::Fp8PerTensor {
+                w13: q13,
+                w13_scale: s13,
+                w2: q2,
+                w2_scale: s2,
+            }
+        }
+        QuantScheme::Fp8Block => {
+            let (q13, s13) = quant_fp8::quantize_block(w13, FP8_BLOCK).unwrap();
+            let (q2, s2) = quant_fp8::quantize_block(w2, FP8_BLOCK).unwrap();
+            CheckpointExperts::Fp8Block {
+                w13: q13,
+                w13_scale_inv: s13,
+                w2: q2,
+                w2_scale_inv: s2,
+            }
+        }
+    }
+}
+
+/// fp8 checkpoints made on the host (per-tensor with separate w1/w3 scales, merged at load; block)
+/// load onto CUDA and run in both families; the dispatch truth table and the fp8 accuracy are
+/// `cuda_moe_fp8.rs`'s.
+#[test]
+fn small_fp8_checkpoints_load_and_run_on_cuda() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(5, 4, 128, 64, 2);
+    let inp = inputs(&c, 9200);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+    let htopk = host_topk(&topk);
+    for scheme in [QuantScheme::Fp8PerTensor, QuantScheme::Fp8Block] {
+        let mut experts = experts_for(scheme, &inp.w13, &inp.w2);
+        if let CheckpointExperts::Fp8PerTensor { w13_scale, .. } = &mut experts {
+            // Separate w1/w3 scales ([E, 2]): the method requantizes both halves to their max.
+            let s = w13_scale.to_f32_vec().unwrap();
+            let two: Vec<f32> = s.iter().flat_map(|&v| [v, v * 0.75]).collect();
+            *w13_scale = Tensor::from_vec(two, [c.e, 2], &CPU).unwrap();
+        }
+        for family in KernelFamily::ALL {
+            let what = format!("{scheme} {family}");
+            let layer = FusedMoe::new(
+                config(&c),
+                scheme,
+                experts.clone(),
+                None,
+                None,
+                &switches(family),
+                CUDA,
+            )
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let ops = layer.method().operands().unwrap();
+            assert_eq!(ops.w13.data().device(), CUDA, "{what}");
+            let y = layer.forward_routed(&x, &topk).unwrap();
+            let got = y.to_f32_vec().unwrap();
+            assert!(got.iter().all(|v| v.is_finite()), "{what}");
+            let ops = ops.to_device(CPU).unwrap();
+            let h_dtype = (scheme == QuantScheme::Fp8PerTensor).then_some(DType::BF16);
+            let want =
+                fmoe_moe::reference::moe_f64_h_rounded(&inp.x, &htopk, &ops, h_dtype).unwrap();
+            let err = rel_err(&got, &want);
+            println!("fp8 checkpoint {what}: rel_err {err:.2e}");
+            assert!(err <= TOL, "{what}: {err:.3e}");
+        }
+    }
+}
+
+#[test]
+fn small_bad_input_on_cuda_is_an_error_not_a_panic() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    // K not a multiple of 8: the CUDA GEMM's contract, naming the dimension.
+    let c = case(3, 4, 100, 64, 2);
+    let inp = inputs(&c, 9300);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let logits = inp.logits.to_device(CUDA).unwrap();
+    for family in KernelFamily::ALL {
+        let err = gpu_layer(&c, &inp, family)
+            .forward(&x, &logits)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("K (hidden size") && err.contains("multiple of 8"),
+            "{family}: {err}"
+        );
+    }
+    // f16 weights: no CUDA kernel yet.
+    let c = case(3, 4, 64, 64, 2);
+    let inp = inputs(&c, 9301);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let experts = CheckpointExperts::Dense {
+        w13: inp.w13.to_dtype(DType::F16).unwrap(),
+        w2: inp.w2.to_dtype(DType::F16).unwrap(),
+    };
+    let layer = FusedMoe::new(
+        config(&c),
+        QuantScheme::Unquantized,
+        experts,
+        None,
+        None,
+        &switches(KernelFamily::Fused),
+        CUDA,
+    )
+    .unwrap();
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), 2, true).unwrap();
+    let err = layer.forward_routed(&x, &topk).unwrap_err().to_string();
+    assert!(err.contains("f16") && err.contains("bf16"), "{err}");
+    // Input on the wrong device.
+    let err = layer.forward_routed(&inp.x, &topk).unwrap_err().to_string();
+    assert!(err.contains("hidden_states"), "{err}");
+    // Out-of-range expert ids: not checked on the hot path (no synchronization); the aligned
+    // routes' check() reports them, and the layer's output stays finite (the route is dropped).
+    let ids = Tensor::from_vec(vec![0u32, 1, 2, 7, 3, 0], [3, 2], &CUDA).unwrap();
+    let bad = TopK {
+        ids: ids.clone(),
+        weights: Tensor::full([3, 2], DType::F32, 0.5, &CUDA).unwrap(),
+    };
+    for family in KernelFamily::ALL {
+        let y = gpu_layer(&c, &inp, family)
+            .forward_routed(&x, &bad)
+            .unwrap();
+        assert!(y.to_f32_vec().unwrap().iter().all(|v| v.is_finite()));
+    }
+    let err = align_routes(&ids, 4, CUDA_BLOCK_M)
+        .unwrap()
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("expert id 7") && err.contains("4 experts"),
+        "{err}"
+    );
+}

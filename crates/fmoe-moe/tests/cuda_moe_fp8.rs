@@ -1,0 +1,401 @@
+//! The fp8 MoE methods on CUDA (fp8-tensor, fp8-block) × both kernel families, against the f64
+//! reference on the CPU, on fresh seeded random data with poisoned device allocations.
+//!
+//! Each layer is built from dense bf16 weights on the device, so the online quantization runs on
+//! the GPU too (`quant_fp8`'s CUDA twin, bit-exact with the CPU's); the references read that
+//! layer's processed operands, downloaded.
+//!
+//! Without a CUDA device every test prints "skipping: <reason>" and passes, unless
+//! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure.
+//!
+//! Tolerances (relative 2-norm error):
+//! - `same` ≤ 1e-2: vs `moe_f64` over the same quantized operands (the layer's e4m3 weights and
+//!   scales; a1 quantized by the same bit-exact rule). What remains is the GPU's arithmetic:
+//!   tensor-core fp8 products are exact, their accumulation keeps fewer bits than f32 (measured
+//!   ~2e-4 with per-128 promotion, ~2e-3 without at K = 4096-7168, less at these K ≤ 1040); h is
+//!   requantized, and where the GPU's h and the reference's straddle an e4m3 rounding boundary a
+//!   code moves one step (2⁻³ relative): for an h perturbation of relative size δ that adds about
+//!   5·δ^½·1e-1 (simulated: δ = 2e-4 → 3e-3, δ = 1e-3 → 7e-3); y is rounded to bf16 (2⁻⁹). For
+//!   fp8-tensor the reference rounds h to bf16 before requantizing (`moe_f64_h_rounded`), as the
+//!   CUDA kernel does: the GPU quantizes the bf16 h its GEMM1 writes, while the CPU twin
+//!   quantizes f32 h. Against the f32-h reference (`f32h`, printed, bound 3e-2) that double
+//!   rounding alone moves about 1/32 of the codes by one step and shifts the scale: 1.1-1.4e-2
+//!   simulated on random data.
+//! - `quant` ≤ 0.27: vs the unquantized f64 reference (bf16 weights and activations as given):
+//!   four e4m3 roundings (a1, w13, a2, w2), each ≤ 2⁻⁴ relative, (1 + 2⁻⁴)⁴ − 1 ≈ 0.27 worst case;
+//!   typically ≈ 6.5e-2.
+
+use std::sync::Arc;
+
+use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::env::FusedSwitches;
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::nvrtc::trace_launches;
+use fmoe_kernels::routing::{TopK, topk_softmax};
+use fmoe_moe::reference::{moe_f64, moe_f64_h_rounded, rel_err};
+use fmoe_moe::stages::ExpertOperands;
+use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+const CUDA: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+const TOL_SAME: f64 = 1e-2;
+const TOL_F32H: f64 = 3e-2;
+const TOL_QUANT: f64 = 0.27;
+const FP8: [QuantScheme; 2] = [QuantScheme::Fp8PerTensor, QuantScheme::Fp8Block];
+
+fn backend_or_skip() -> Option<Arc<CudaBackend>> {
+    match cuda_backend(0) {
+        Ok(b) => {
+            set_poison_allocations(true);
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
+fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|_| StandardNormal.sample(rng))
+        .map(|v: f32| v * scale)
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    m: usize,
+    e: usize,
+    k: usize,
+    n: usize,
+    top_k: usize,
+}
+
+const fn case(m: usize, e: usize, k: usize, n: usize, top_k: usize) -> Case {
+    Case { m, e, k, n, top_k }
+}
+
+/// M = 0, 1, 33, 300; E = 1 and 256 (top-8, most experts without tokens); top-k = E; K and N
+/// multiples of 16 but not of 128 (ragged last K blocks, 1×128 groups and N tiles).
+const SMALL: &[Case] = &[
+    case(0, 8, 256, 128, 2),
+    case(1, 8, 256, 128, 2),
+    case(1, 256, 384, 272, 8),
+    case(33, 1, 144, 80, 1),
+    case(33, 4, 272, 208, 4),
+    case(33, 256, 512, 144, 8),
+    case(300, 8, 1040, 1008, 2),
+];
+
+/// M = 2048: per-tensor large tiles (≥ 128 routes per expert: E = 8 and 16), E = 256 top-8.
+const LARGE: &[Case] = &[
+    case(2048, 8, 1040, 1008, 2),
+    case(2048, 16, 512, 384, 4),
+    case(2048, 256, 400, 144, 8),
+];
+
+fn config(c: &Case) -> MoeConfig {
+    MoeConfig {
+        num_experts: c.e,
+        top_k: c.top_k,
+        hidden: c.k,
+        intermediate: c.n,
+        routing: Routing::Softmax { renormalize: true },
+        shared_intermediate: None,
+    }
+}
+
+fn switches(family: KernelFamily) -> FusedSwitches {
+    FusedSwitches {
+        use_fused: family == KernelFamily::Fused,
+        use_fused_moe: true,
+        use_fused_fp8_block_scaled_moe: true,
+    }
+}
+
+/// Host data of one case: x bf16 [M, K], logits f32 [M, E], w13 bf16 [E, 2N, K], w2 bf16 [E, K, N].
+struct Inputs {
+    x: Tensor,
+    logits: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+}
+
+fn inputs(c: &Case, seed: u64) -> Inputs {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x = randn(&mut rng, c.m * c.k, 1.0);
+    let logits = randn(&mut rng, c.m * c.e, 1.0);
+    let w13 = randn(&mut rng, c.e * 2 * c.n * c.k, 1.0 / (c.k as f32).sqrt());
+    let w2 = randn(&mut rng, c.e * c.k * c.n, 1.0 / (c.n as f32).sqrt());
+    Inputs {
+        x: Tensor::from_f32(&x, [c.m, c.k], DType::BF16, &CPU).unwrap(),
+        logits: Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap(),
+        w13: Tensor::from_f32(&w13, [c.e, 2 * c.n, c.k], DType::BF16, &CPU).unwrap(),
+        w2: Tensor::from_f32(&w2, [c.e, c.k, c.n], DType::BF16, &CPU).unwrap(),
+    }
+}
+
+fn host_topk(t: &TopK) -> TopK {
+    TopK {
+        weights: t.weights.to_device(CPU).unwrap(),
+        ids: t.ids.to_device(CPU).unwrap(),
+    }
+}
+
+/// A layer of `scheme` on CUDA from dense bf16 device weights (quantized on the device).
+fn gpu_layer(
+    c: &Case,
+    inp: &Inputs,
+    scheme: QuantScheme,
+    sw: &FusedSwitches,
+) -> fmoe_moe::Result<FusedMoe> {
+    let experts = CheckpointExperts::Dense {
+        w13: inp.w13.to_device(CUDA).unwrap(),
+        w2: inp.w2.to_device(CUDA).unwrap(),
+    };
+    FusedMoe::new(config(c), scheme, experts, None, None, sw, CUDA)
+}
+
+/// Runs one case through both fp8 methods × both families and checks each against the references.
+fn check_case(what: &str, c: &Case, inp: &Inputs) {
+    let x = inp.x.to_device(CUDA).unwrap();
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+    let htopk = host_topk(&topk);
+    let exact = moe_f64(
+        &inp.x,
+        &htopk,
+        &ExpertOperands::unquantized(&inp.w13, &inp.w2),
+    )
+    .unwrap();
+    for scheme in FP8 {
+        let layers: Vec<FusedMoe> = KernelFamily::ALL
+            .iter()
+            .map(|&f| gpu_layer(c, inp, scheme, &switches(f)).unwrap())
+            .collect();
+        // The same operands: the fused layer's processed weights, downloaded (both layers quantize
+        // the same bf16 weights with the same deterministic kernels).
+        let ops = layers[0]
+            .method()
+            .operands()
+            .unwrap()
+            .to_device(CPU)
+            .unwrap();
+        let ops_p = layers[1]
+            .method()
+            .operands()
+            .unwrap()
+            .to_device(CPU)
+            .unwrap();
+        assert_eq!(
+            ops.w13.data().to_f32_vec().unwrap(),
+            ops_p.w13.data().to_f32_vec().unwrap(),
+            "{what} {scheme}: both layers quantize alike"
+        );
+        let f32h = moe_f64(&inp.x, &htopk, &ops).unwrap();
+        let same = match scheme {
+            QuantScheme::Fp8PerTensor => {
+                moe_f64_h_rounded(&inp.x, &htopk, &ops, Some(DType::BF16)).unwrap()
+            }
+            _ => f32h.clone(),
+        };
+        let mut outs = Vec::new();
+        for layer in &layers {
+            let family = layer.kernel().family;
+            let (y, check) = layer.forward_routed_deferred(&x, &topk).unwrap();
+            assert_eq!(
+                (y.device(), y.dtype(), y.dims()),
+                (CUDA, DType::BF16, &[c.m, c.k][..]),
+                "{what} {scheme} {family}"
+            );
+            check.check().unwrap();
+            let got = y.to_f32_vec().unwrap();
+            if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+                panic!("{what} {scheme} {family}: y[{i}] = {} (unwritten?)", got[i]);
+            }
+            let (e_same, e_f32h, e_quant) = (
+                rel_err(&got, &same),
+                rel_err(&got, &f32h),
+                rel_err(&got, &exact),
+            );
+            println!(
+                "{what} {scheme:>10} {family:>8}: same {e_same:.2e}, f32h {e_f32h:.2e}, quant \
+                 {e_quant:.2e}"
+            );
+            if c.m > 0 {
+                assert!(
+                    e_same <= TOL_SAME,
+                    "{what} {scheme} {family}: same {e_same:.3e}"
+                );
+                assert!(
+                    e_f32h <= TOL_F32H,
+                    "{what} {scheme} {family}: f32h {e_f32h:.3e}"
+                );
+                assert!(
+                    e_quant <= TOL_QUANT,
+                    "{what} {scheme} {family}: quant {e_quant:.3e}"
+                );
+            }
+            outs.push(got);
+        }
+        let p: Vec<f64> = outs[1].iter().map(|&v| f64::from(v)).collect();
+        let d = rel_err(&outs[0], &p);
+        println!("{what} {scheme:>10}: fused vs portable {d:.2e}");
+        assert!(
+            d <= 2.0 * TOL_SAME,
+            "{what} {scheme}: fused vs portable {d:.3e}"
+        );
+    }
+}
+
+fn run_cases(cases: &[Case], seed0: u64) {
+    for (i, c) in cases.iter().enumerate() {
+        check_case(&format!("{c:?}"), c, &inputs(c, seed0 + i as u64));
+    }
+}
+
+#[test]
+fn small_fp8_layers_match_the_f64_reference() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(SMALL, 17_000);
+}
+
+#[test]
+fn large_fp8_layers_match_the_f64_reference() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(LARGE, 18_000);
+}
+
+/// A few tiny layers for `compute-sanitizer --tool memcheck` (every kernel of both methods and
+/// families, ragged tiles, experts without tokens).
+#[test]
+fn sanitizer_tiny_fp8_layers() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(
+        &[
+            case(5, 1, 144, 80, 1),
+            case(33, 4, 272, 208, 4),
+            case(3, 256, 128, 144, 8),
+        ],
+        19_000,
+    );
+}
+
+#[test]
+fn non_finite_input_reaches_the_deferred_check_not_a_synchronization() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(9, 4, 256, 128, 2);
+    let inp = inputs(&c, 19_500);
+    let mut v = inp.x.to_f32_vec().unwrap();
+    v[3 * c.k + 5] = f32::INFINITY;
+    let x = Tensor::from_f32(&v, [c.m, c.k], DType::BF16, &CUDA).unwrap();
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+    for scheme in FP8 {
+        for family in KernelFamily::ALL {
+            let layer = gpu_layer(&c, &inp, scheme, &switches(family)).unwrap();
+            // forward_routed neither waits nor fails; the deferred check reports the input.
+            layer.forward_routed(&x, &topk).unwrap();
+            let (_, check) = layer.forward_routed_deferred(&x, &topk).unwrap();
+            let err = check.check().unwrap_err().to_string();
+            assert!(
+                err.contains("non-finite") || err.contains("NaN or Inf") || err.contains("inf"),
+                "{scheme} {family}: {err}"
+            );
+            assert!(
+                err.contains(&format!("{}", 3 * c.k + 5)),
+                "{scheme} {family}: {err}"
+            );
+        }
+    }
+}
+
+/// The kernels a forward launches, summarized: (fused GEMM1 with its epilogue seen, portable glue
+/// seen, the grouped GEMM families seen).
+fn launched(trace: &[String]) -> (bool, bool, Vec<&'static str>) {
+    let fused = trace.iter().any(|t| t.contains("[MODE=1"));
+    let portable = trace.iter().any(|t| t.starts_with("moe_unfused/"));
+    let families = [
+        "moe_gemm_bf16/",
+        "moe_gemm_bf16_sm90/",
+        "moe_gemm_fp8_sm90/",
+        "moe_gemm_fp8_block_sm90/",
+    ]
+    .into_iter()
+    .filter(|f| trace.iter().any(|t| t.starts_with(f)))
+    .collect();
+    (fused, portable, families)
+}
+
+#[test]
+fn dispatch_truth_table_holds_on_cuda_per_scheme() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(5, 4, 128, 64, 2);
+    let inp = inputs(&c, 19_600);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let logits = inp.logits.to_device(CUDA).unwrap();
+    let gemm_family = |scheme: QuantScheme| match scheme {
+        QuantScheme::Unquantized => "moe_gemm_bf16",
+        QuantScheme::Fp8PerTensor => "moe_gemm_fp8_sm90/",
+        QuantScheme::Fp8Block => "moe_gemm_fp8_block_sm90/",
+    };
+    let bools = [false, true];
+    for use_fused in bools {
+        for use_fused_moe in bools {
+            for block in bools {
+                let sw = FusedSwitches {
+                    use_fused,
+                    use_fused_moe,
+                    use_fused_fp8_block_scaled_moe: block,
+                };
+                for scheme in QuantScheme::ALL {
+                    // The documented cascade, written out independently of `dispatch`.
+                    let fused =
+                        use_fused && use_fused_moe && (scheme != QuantScheme::Fp8Block || block);
+                    let want = if fused {
+                        KernelFamily::Fused
+                    } else {
+                        KernelFamily::Portable
+                    };
+                    let what = format!("{sw:?} {scheme}");
+                    let layer =
+                        gpu_layer(&c, &inp, scheme, &sw).unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(layer.kernel().family, want, "{what}");
+                    let (y, trace) = trace_launches(|| layer.forward(&x, &logits));
+                    let y = y.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    assert_eq!(y.dims(), &[c.m, c.k]);
+                    assert!(
+                        y.to_f32_vec().unwrap().iter().all(|v| v.is_finite()),
+                        "{what}"
+                    );
+                    let (saw_fused, saw_portable, gemms) = launched(&trace);
+                    assert_eq!(
+                        (saw_fused, saw_portable),
+                        (fused, !fused),
+                        "{what}: launched {trace:?}"
+                    );
+                    assert!(
+                        gemms.len() == 1 && gemms[0].starts_with(gemm_family(scheme)),
+                        "{what}: grouped GEMMs {gemms:?} in {trace:?}"
+                    );
+                }
+            }
+        }
+    }
+}
