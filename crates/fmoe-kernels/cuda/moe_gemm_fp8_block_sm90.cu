@@ -185,7 +185,9 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
     // Gate rows n0 + 64 wg + [0, 64) lie in block n0 / 128; the up rows n_out + n0 + 64 wg + c lie in
     // block bu for c < thr and in bu + 1 beyond (N % 128 != 0).
     const unsigned int up0 = n_out + n0 + 64 * wg;
-    const unsigned int bu = up0 >> 7, bu1 = min(bu + 1, wrb - 1);
+    // A warpgroup whose columns all lie past N (n0 + 64 wg >= N) would index a block past the
+    // last one: clamp; its results are never stored.
+    const unsigned int bu = min(up0 >> 7, wrb - 1), bu1 = min(bu + 1, wrb - 1);
     const int thr = (int)((bu + 1) * 128 - up0);
     const float* wsg = wse + (unsigned long long)(n0 >> 7) * kblocks;
     const float* wsu0 = wse + (unsigned long long)bu * kblocks;
