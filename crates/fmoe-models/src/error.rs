@@ -17,10 +17,6 @@ pub enum Error {
     )]
     UnknownArchitecture { path: PathBuf, arch: String },
 
-    /// The architecture parses but has no model implementation yet.
-    #[error("{arch}: {msg}")]
-    NotImplemented { arch: &'static str, msg: String },
-
     /// A safetensors file that cannot be read (truncated, bad header, bad index).
     #[error("{}: not a valid safetensors checkpoint: {msg}", path.display())]
     Safetensors { path: PathBuf, msg: String },

@@ -8,7 +8,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, bf16, f16};
+use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, WithDType, bf16, f16};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -346,7 +346,22 @@ impl DummyWeights {
         } else {
             normal(0.02, 0.0)
         };
-        Ok(Tensor::from_f32(&values, dims, dtype, &Device::Cpu)?)
+        // Converted in parallel: a full-width expert stack is billions of values, and the
+        // software f32 → e4m3 conversion alone took minutes serially.
+        fn convert<T: WithDType>(v: &[f32]) -> CpuStorage {
+            T::into_storage(v.par_iter().map(|&x| T::from_f32(x)).collect())
+        }
+        let storage = match dtype {
+            DType::F8E4M3 => convert::<F8E4M3>(&values),
+            DType::BF16 => convert::<bf16>(&values),
+            DType::F16 => convert::<f16>(&values),
+            _ => return Ok(Tensor::from_f32(&values, dims, dtype, &Device::Cpu)?),
+        };
+        Ok(Tensor::from_cpu_storage(
+            storage,
+            dims.to_vec(),
+            &Device::Cpu,
+        )?)
     }
 }
 
