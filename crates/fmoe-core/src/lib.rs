@@ -29,7 +29,7 @@ mod shape;
 mod tensor;
 
 pub use device::Device;
-pub use dtype::{DType, F8E4M3, FP8_E4M3_MAX, WithDType, bf16, f16};
+pub use dtype::{DType, F8E4M3, FP8_E4M3_MAX, FP8_E4M3_TO_F32, WithDType, bf16, f16};
 pub use error::{Error, Result};
 pub use shape::Shape;
 pub use tensor::{CpuStorage, Storage, Tensor};

@@ -5,16 +5,13 @@
 //! a bug in the caller and panics with a message. Non-finite input never panics: the dynamic
 //! kernels return `Err((flat_index, value))` for the first one in row-major order.
 
-use std::sync::OnceLock;
-
 use fmoe_core::F8E4M3;
 
 use super::scale_from_amax;
 
 /// Every e4m3fn code decoded to f32 (exact: 4 significant bits fit any float). NaN codes give NaN.
 pub fn fp8_to_f32_lut() -> &'static [f32; 256] {
-    static LUT: OnceLock<[f32; 256]> = OnceLock::new();
-    LUT.get_or_init(|| std::array::from_fn(|b| F8E4M3::from_bits(b as u8).to_f32()))
+    &fmoe_core::FP8_E4M3_TO_F32
 }
 
 /// Decodes one code through the table.
