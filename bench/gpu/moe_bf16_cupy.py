@@ -8,7 +8,7 @@ data with poisoned outputs, and times them beside the PyTorch peers of ../shared
 
 Usage: python3 bench/gpu/moe_bf16_cupy.py [--check-only] [--shapes ...] [--tokens ...] [--json PATH]
 """
-import argparse, json, math, os, sys
+import argparse, glob, hashlib, json, math, os, sys
 import numpy as np
 import torch
 import cupy as cp
@@ -19,11 +19,24 @@ import moe_peers as P  # noqa: E402
 
 BM = 64
 CUDA_INC = os.environ.get("CUDA_HOME", "/usr/local/cuda") + "/include"
+# The kernels' shared headers (#include "common/....cuh"); the Rust side hands NVRTC the same files
+# from memory (nvrtc.rs HEADERS).
+KERNEL_INC = os.path.join(ROOT, "crates/fmoe-kernels/cuda")
+
+
+def source(name):
+    """A kernel source, plus a comment with the hash of the shared headers: CuPy's kernel cache keys
+    on the source text and options only, so without it an edited header would reuse stale binaries."""
+    h = hashlib.sha256()
+    for p in sorted(glob.glob(os.path.join(KERNEL_INC, "common", "*.cuh"))):
+        h.update(open(p, "rb").read())
+    return open(os.path.join(KERNEL_INC, name)).read() + f"\n// common headers: sha256 {h.hexdigest()}\n"
 
 
 def load(name, entry, defines):
-    src = open(os.path.join(ROOT, "crates/fmoe-kernels/cuda", name)).read()
-    opts = ("-std=c++17", "--gpu-architecture=sm_90a", "-I" + CUDA_INC) + tuple(f"-D{k}={v}" for k, v in defines)
+    src = source(name)
+    opts = ("-std=c++17", "--gpu-architecture=sm_90a", "-I" + CUDA_INC, "-I" + KERNEL_INC) + tuple(
+        f"-D{k}={v}" for k, v in defines)
     return cp.RawModule(code=src, options=opts).get_function(entry)
 
 

@@ -60,8 +60,9 @@ def kernel(name, entry, defines=()):
         return FUNCS[fkey]
     key = (name, tuple(defines))
     if key not in MODS:
-        src = open(os.path.join(ROOT, "crates/fmoe-kernels/cuda", name)).read()
-        opts = ("-std=c++17", "--gpu-architecture=sm_90a", "-I" + B.CUDA_INC) + tuple(f"-D{k}={v}" for k, v in defines)
+        src = B.source(name)
+        opts = ("-std=c++17", "--gpu-architecture=sm_90a", "-I" + B.CUDA_INC, "-I" + B.KERNEL_INC) + tuple(
+            f"-D{k}={v}" for k, v in defines)
         MODS[key] = cp.RawModule(code=src, options=opts)
     FUNCS[fkey] = MODS[key].get_function(entry)
     return FUNCS[fkey]

@@ -18,6 +18,10 @@
 
 #include <cuda_bf16.h>
 
+#include "common/async_copy.cuh"
+#include "common/math.cuh"
+#include "common/mma_sm80.cuh"
+
 #ifndef MODE
 #define MODE 1
 #endif
@@ -32,33 +36,6 @@
 #define SK (BK + 8)  // padded shared-memory row (bf16 elements): conflict-free ldmatrix
 #define NTHREADS 128
 #define CHUNKS (BK / 8)
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-    unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-    int n = pred ? 16 : 0;  // 0 source bytes: the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned int* a, const unsigned int* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Four 8x8 bf16 matrices from shared memory; lane l supplies the address of one row.
-__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const void* smem) {
-    unsigned int s = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(s));
-}
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
@@ -177,7 +154,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-                for (int j = 0; j < 8; ++j) mma_bf16(acc[mi][j], af[mi], bf[j]);
+                for (int j = 0; j < 8; ++j) mma_m16n8k16_bf16(acc[mi][j], af[mi], bf[j]);
         }
     }
 

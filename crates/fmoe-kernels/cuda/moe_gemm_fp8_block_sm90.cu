@@ -35,6 +35,12 @@
 // Launch: grid (MODE 1: ceil(n_out / 128), MODE 2: ceil(n_out / 256); capacity / 64; splits), block 256
 // threads, dynamic shared memory STAGES * 320 * 128 + 1024 bytes (STAGES 3..5).
 
+#include "common/async_copy.cuh"
+#include "common/atomics.cuh"
+#include "common/fp8.cuh"
+#include "common/math.cuh"
+#include "common/sm90_wgmma.cuh"
+
 #ifndef MODE
 #define MODE 1
 #endif
@@ -48,66 +54,8 @@
 #define A_BYTES (BM * BK)
 #define B_BYTES (NB * BK)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
-#define FP8_MAX 448.0f
-#define AMAX_FLOOR 1e-10f
 
 static_assert(STAGES >= 2, "one tile in wgmma, one loading");
-
-__device__ __forceinline__ void cp_async16(unsigned int smem, const void* gmem, bool pred) {
-    int n = pred ? 16 : 0;  // 0 source bytes: zero-fill
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-// Byte offset of 16-byte chunk `ch` of row `r` in a K-major tile with 128-byte swizzle.
-__device__ __forceinline__ unsigned int swz(unsigned int r, unsigned int ch) { return r * 128 + ((ch ^ (r & 7)) << 4); }
-
-// Shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ unsigned long long smem_desc(unsigned int addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
-           (1ull << 62);
-}
-
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
-
-__device__ __forceinline__ void red_add_v2(float* y, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(y), "f"(a), "f"(b) : "memory");
-}
-
-// Two f32 -> two e4m3 codes (lo in the low byte): round to nearest even, saturate to ±448, NaN -> NaN.
-__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// D[64 x 128] (+)= A[64 x 32] * B[128 x 32]^T, e4m3 x e4m3 -> f32, both K-major in 128-byte-swizzled
-// shared memory (fp8 wgmma has no transpose: K-major is the only layout). scale_d = 0: D = A * B.
-__device__ __forceinline__ void wgmma_m64n128k32(float* d, unsigned long long da, unsigned long long db, int scale_d) {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "setp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
-        "{"
-        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
-        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
-        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-        "}, %64, %65, p, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "l"(da), "l"(db), "r"(scale_d));
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __restrict__ a_scale,
@@ -234,8 +182,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
 
     for (unsigned int kt = 0; kt < ktiles; ++kt) {
         cp_async_wait<AHEAD - 1>();
-        // cp.async wrote through the generic proxy; wgmma reads through the async proxy.
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        fence_proxy_async_shared();  // the copies above, for the tensor cores
         // Tile kt is complete for everyone, and every warpgroup has retired tile kt - 1, whose slot
         // is refilled below.
         __syncthreads();
@@ -253,15 +200,14 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
         const unsigned int sa = ring + (kt % STAGES) * STAGE_BYTES;
         const unsigned int sb = sa + A_BYTES + wg * (128 * 128);
         const unsigned long long da = smem_desc(sa), db = smem_desc(sb);
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < BK / 32; ++ks)
             // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
-            wgmma_m64n128k32(part, da + 2 * ks, db + 2 * ks, ks > 0);
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#pragma unroll
-        for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(part[i])::"memory");
+            wgmma_m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands<64>(part);
 
         // Promotion. part[4j + 2h + q]: row r0 + 8h, slab column 8j + 2t + q.
 #pragma unroll
@@ -320,7 +266,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
         if (!(h ? v1 : v0)) continue;
         const unsigned int rt = h ? rt1 : rt0;
         const unsigned int ab = max(red[0][r0 + 8 * h], red[1][r0 + 8 * h]);
-        const float s = __fdiv_rn(fmaxf(__uint_as_float(ab), AMAX_FLOOR), FP8_MAX);
+        const float s = scale_from_amax(__uint_as_float(ab));
         unsigned char* qrow = q_out + (unsigned long long)rt * n_out;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

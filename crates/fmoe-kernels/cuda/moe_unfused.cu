@@ -13,9 +13,11 @@
 //   fmoe_silu_mul_f32 h[r, j] = silu(gu[r, j]) * gu[r, N + j]        (f32 [R, 2N] -> f32 [R, N])
 //
 // One block walks rows (grid-stride over blockIdx.x), its threads walk the columns: no 64-bit
-// divisions per element. silu is the fused epilogue's expression (x / (1 + __expf(-x))).
+// divisions per element. silu is the fused epilogues' own (common/math.cuh).
 
 #include <cuda_bf16.h>
+
+#include "common/math.cuh"
 
 extern "C" __global__ void fmoe_gather_rows(const uint4* __restrict__ x, uint4* __restrict__ xr,
                                             unsigned long long rows, unsigned int top_k,
@@ -34,7 +36,7 @@ extern "C" __global__ void fmoe_silu_mul(const float* __restrict__ gu, __nv_bflo
         __nv_bfloat16* out = h + r * (unsigned long long)n;
         for (unsigned int j = threadIdx.x; j < n; j += blockDim.x) {
             const float gate = g[j], up = g[n + j];
-            out[j] = __float2bfloat16(gate / (1.0f + __expf(-gate)) * up);
+            out[j] = __float2bfloat16(silu(gate) * up);
         }
     }
 }
@@ -70,7 +72,7 @@ extern "C" __global__ void fmoe_silu_mul_f32(const float* __restrict__ gu, float
         float* out = h + r * (unsigned long long)n;
         for (unsigned int j = threadIdx.x; j < n; j += blockDim.x) {
             const float gate = g[j], up = g[n + j];
-            out[j] = gate / (1.0f + __expf(-gate)) * up;
+            out[j] = silu(gate) * up;
         }
     }
 }

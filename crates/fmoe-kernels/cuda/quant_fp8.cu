@@ -30,6 +30,9 @@
 
 #include <cuda_bf16.h>
 
+#include "common/fp8.cuh"
+#include "common/math.cuh"
+
 #if QUANT_IN_F32
 typedef float in_t;
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -40,26 +43,9 @@ __device__ __forceinline__ float to_f32(__nv_bfloat16 v) { return __bfloat162flo
 #define VEC 8
 #endif
 
-#define FP8_MAX 448.0f
-#define AMAX_FLOOR 1e-10f
 #define NONFINITE_BITS 0x7F800000u
 
-// Two f32 -> two e4m3 codes (lo in the low byte): round to nearest even, saturate to ±448, NaN -> NaN.
-__device__ __forceinline__ unsigned short e4m3x2(float lo, float hi) {
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float scale_from_amax(float amax) { return __fdiv_rn(fmaxf(amax, AMAX_FLOOR), FP8_MAX); }
-
 __device__ __forceinline__ unsigned int abs_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
-
-__device__ __forceinline__ unsigned int warp_max(unsigned int m) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-    return m;
-}
 
 // Loads VEC consecutive elements (16 bytes) as f32.
 __device__ __forceinline__ void load_vec(const in_t* p, float* v) {

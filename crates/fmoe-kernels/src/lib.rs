@@ -13,11 +13,13 @@
 //! - [`elementwise`]: casts, adds, random fills and sums on the tensor's device (the glue around
 //!   the GEMMs, and the benchmark's device-side weights).
 //!
-//! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`,
-//! compiled at run time for the device, cached in memory and on disk).
+//! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`, shared
+//! device code in `cuda/common/*.cuh`, compiled at run time for the device, cached in memory and on
+//! disk); [`catalog`] lists every kernel instantiation the families launch.
 //!
 //! The MoE layer (fmoe-moe) composes them: prepare (quantize, align) → experts → finalize.
 
+pub mod catalog;
 pub mod elementwise;
 mod error;
 mod launch;

@@ -11,8 +11,10 @@
 //!    `cuda_bf16.h` and friends), then the defines. No `--use_fast_math`: kernels keep IEEE
 //!    division and accurate `expf` unless a family asks otherwise through its own source.
 //! 2. key: `<family>-<FNV-1a 128 hex>` over a format tag, the NVRTC version, family, entry,
-//!    source and every option (the arch and defines included). FNV is written here because std's
-//!    `DefaultHasher` is not stable across Rust releases, and a disk cache outlives the binary.
+//!    source, every shared header of [`HEADERS`] (name and text: editing a header recompiles
+//!    every kernel) and every option (the arch and defines included). FNV is written here because
+//!    std's `DefaultHasher` is not stable across Rust releases, and a disk cache outlives the
+//!    binary.
 //! 3. memory cache (per device ordinal and key), then the disk cache
 //!    `$FMOE_CACHE_DIR/nvrtc/<key>.cubin`, else `$HOME/.cache/fmoe/nvrtc/<key>.cubin` (no disk
 //!    cache if neither variable is set), then NVRTC. A cache file has a 32-byte header (magic,
@@ -24,7 +26,14 @@
 //!
 //! NVRTC has no libstdc++ and no `cuda.h`: sources use `unsigned int`, `unsigned long long`, and
 //! NVRTC's built-in device functions; `cuda_bf16.h`/`cuda_fp16.h`/`cuda_fp8.h` work through the
-//! `-I` path.
+//! `-I` path. fmoe's own shared device code (`cuda/common/*.cuh`: cp.async, wgmma, mma.sync, fp8
+//! encoding, ...) is included as `#include "common/<name>.cuh"` and handed to NVRTC from memory,
+//! [`HEADERS`] (`include_str!`, so the binary needs no source tree); tools that compile the files
+//! from disk (the CuPy harnesses, `scripts/cuda/cubin_fingerprint.py`) pass
+//! `-I crates/fmoe-kernels/cuda` instead.
+//!
+//! [`compile_only`] compiles a spec for a compute capability without a device or a cache (the
+//! CPU-only test `tests/nvrtc_compile.rs` builds every kernel of [`crate::catalog`] with it).
 //!
 //! Errors: a missing NVRTC library and a failed compilation are [`fmoe_core::Error::Nvrtc`]
 //! naming the family (a compilation error carries NVRTC's log); driver failures loading the
@@ -45,6 +54,30 @@ use crate::Result;
 
 /// Root of fmoe's on-disk caches; NVRTC images go to its `nvrtc/` folder.
 pub const FMOE_CACHE_DIR: &str = "FMOE_CACHE_DIR";
+
+/// The shared device headers, `(include name, text)`: every program gets them all (NVRTC reads
+/// only those a source includes), and every cache key hashes them all. A new file under
+/// `cuda/common/` must be added here.
+pub const HEADERS: &[(&str, &str)] = &[
+    (
+        "common/async_copy.cuh",
+        include_str!("../cuda/common/async_copy.cuh"),
+    ),
+    (
+        "common/atomics.cuh",
+        include_str!("../cuda/common/atomics.cuh"),
+    ),
+    ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
+    ("common/math.cuh", include_str!("../cuda/common/math.cuh")),
+    (
+        "common/mma_sm80.cuh",
+        include_str!("../cuda/common/mma_sm80.cuh"),
+    ),
+    (
+        "common/sm90_wgmma.cuh",
+        include_str!("../cuda/common/sm90_wgmma.cuh"),
+    ),
+];
 
 /// One kernel instantiation to compile and load.
 #[derive(Clone, Copy, Debug)]
@@ -316,8 +349,43 @@ pub fn options(cc: (u32, u32), cuda_home: &Path, defines: &[(&str, String)]) -> 
     o
 }
 
+/// Compiles `spec` for a device of compute capability `cc` (CUDA headers from
+/// [`cuda_home`]`/include`) and returns the CUBIN, without a device, a driver or any cache: a
+/// build check of the sources (every variant, in CI) and a way to inspect the machine code.
+pub fn compile_only(spec: &KernelSpec<'_>, cc: (u32, u32)) -> Result<Vec<u8>> {
+    compile_only_with(spec, cc, &cuda_home())
+}
+
+/// As [`compile_only`], with the CUDA headers from `cuda_root/include` (e.g. the folder of a pip
+/// NVRTC wheel, whose `include` sits beside its `lib`).
+pub fn compile_only_with(
+    spec: &KernelSpec<'_>,
+    cc: (u32, u32),
+    cuda_root: &Path,
+) -> Result<Vec<u8>> {
+    nvrtc_version().map_err(|e| with_family(e, spec.family))?;
+    let image = compile(spec, &options(cc, cuda_root, spec.defines))?;
+    match image.kind {
+        ImageKind::Cubin => Ok(image.bytes),
+        ImageKind::Ptx => Err(nvrtc_error(
+            spec.family,
+            format!("no CUBIN for {} (NVRTC gave PTX only)", gpu_arch(cc)),
+        )),
+    }
+}
+
 /// `<family>-<32 hex digits>`: FNV-1a 128 over everything that changes the image.
 pub fn cache_key(spec: &KernelSpec<'_>, options: &[String], nvrtc: (u32, u32)) -> String {
+    key_over(spec, HEADERS, options, nvrtc)
+}
+
+/// [`cache_key`] with the header table as a parameter (tests vary it).
+fn key_over(
+    spec: &KernelSpec<'_>,
+    headers: &[(&str, &str)],
+    options: &[String],
+    nvrtc: (u32, u32),
+) -> String {
     let mut h = Fnv128::new();
     h.field(FORMAT_TAG.as_bytes());
     h.field(&nvrtc.0.to_le_bytes());
@@ -325,14 +393,18 @@ pub fn cache_key(spec: &KernelSpec<'_>, options: &[String], nvrtc: (u32, u32)) -
     h.field(spec.family.as_bytes());
     h.field(spec.entry.as_bytes());
     h.field(spec.source.as_bytes());
+    for (name, text) in headers {
+        h.field(name.as_bytes());
+        h.field(text.as_bytes());
+    }
     for o in options {
         h.field(o.as_bytes());
     }
     format!("{}-{:032x}", spec.family, h.0)
 }
 
-/// Bumped when the cache file format or the key's contents change.
-const FORMAT_TAG: &str = "fmoe-nvrtc-v1";
+/// Bumped when the cache file format or the key's contents change (v2: the shared headers).
+const FORMAT_TAG: &str = "fmoe-nvrtc-v2";
 
 /// FNV-1a, 128-bit. Each field is length-prefixed so that ("ab", "c") and ("a", "bc") differ.
 struct Fnv128(u128);
@@ -485,10 +557,35 @@ fn compile(spec: &KernelSpec<'_>, options: &[String]) -> Result<Image> {
     }
     let src = CString::new(spec.source).map_err(|_| err("source contains NUL".into()))?;
     let name = CString::new(format!("{family}.cu")).map_err(|_| err("bad family name".into()))?;
-    let program = Program(
-        nvrtc_result::create_program(&src, Some(&name))
-            .map_err(|e| err(format!("nvrtcCreateProgram failed: {e:?}")))?,
-    );
+    let cstr =
+        |s: &str, what: &str| CString::new(s).map_err(|_| err(format!("{what} contains NUL")));
+    let header_names = HEADERS
+        .iter()
+        .map(|(n, _)| cstr(n, "header name"))
+        .collect::<Result<Vec<_>>>()?;
+    let header_texts = HEADERS
+        .iter()
+        .map(|(n, t)| cstr(t, n))
+        .collect::<Result<Vec<_>>>()?;
+    let name_ptrs: Vec<*const c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let text_ptrs: Vec<*const c_char> = header_texts.iter().map(|c| c.as_ptr()).collect();
+    let mut raw = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is a NUL-terminated string that outlives the program (`program` is
+    // declared after them, so it is destroyed first); both arrays hold HEADERS.len() entries.
+    unsafe {
+        nvrtc_sys::nvrtcCreateProgram(
+            raw.as_mut_ptr(),
+            src.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as std::ffi::c_int,
+            text_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    }
+    .result()
+    .map_err(|e| err(format!("nvrtcCreateProgram failed: {e:?}")))?;
+    // SAFETY: initialized by the successful call above.
+    let program = Program(unsafe { raw.assume_init() });
     // SAFETY: `program` is live until dropped at the end of this function.
     let compiled = unsafe { nvrtc_result::compile_program(program.0, options) };
     // SAFETY: as above.
@@ -599,10 +696,26 @@ mod tests {
     fn cache_key_is_stable_and_covers_every_input() {
         let d = [("A", "1".to_string())];
         let o = options((9, 0), Path::new("/usr/local/cuda"), &d);
+        // A fixed value (computed independently, without headers): the key must not change
+        // between builds or Rust versions, or every disk cache would go stale.
+        assert_eq!(
+            key_over(&spec(&d), &[], &o, (13, 0)),
+            "demo-82539258584eaa13f86d16041e66fb58"
+        );
+        // Every shared header, name and text, is in the key.
+        let h = [("common/a.cuh", "int a;")];
+        let base = key_over(&spec(&d), &h, &o, (13, 0));
+        assert_ne!(base, key_over(&spec(&d), &[], &o, (13, 0)));
+        assert_ne!(
+            base,
+            key_over(&spec(&d), &[("common/a.cuh", "int b;")], &o, (13, 0))
+        );
+        assert_ne!(
+            base,
+            key_over(&spec(&d), &[("common/b.cuh", "int a;")], &o, (13, 0))
+        );
         let k = cache_key(&spec(&d), &o, (13, 0));
-        // A fixed value (computed independently): the key must not change between builds or
-        // Rust versions, or every disk cache would go stale.
-        assert_eq!(k, "demo-25ff0c828f23513aea1460c30dfc93cf");
+        assert_eq!(k, key_over(&spec(&d), HEADERS, &o, (13, 0)));
         assert!(
             k.starts_with("demo-") && k.len() == "demo-".len() + 32,
             "{k}"

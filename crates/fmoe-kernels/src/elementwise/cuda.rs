@@ -7,25 +7,62 @@ use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
 use crate::Result;
+use crate::catalog::KernelVariant;
 use crate::launch::{ELEMENTWISE_THREADS, grid_stride_blocks};
 use crate::nvrtc;
 
 const FAMILY: &str = "elementwise";
 const SRC: &str = include_str!("../../cuda/elementwise.cu");
 
-/// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), or `Unsupported` naming what is missing.
-fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+/// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), if it has one.
+fn dtype_code(dtype: DType) -> Option<&'static str> {
     match dtype {
-        DType::F32 => Ok("0"),
-        DType::BF16 => Ok("1"),
-        DType::F16 => Ok("2"),
-        other => Err(CoreError::Unsupported {
+        DType::F32 => Some("0"),
+        DType::BF16 => Some("1"),
+        DType::F16 => Some("2"),
+        _ => None,
+    }
+}
+
+/// [`dtype_code`], or `Unsupported` naming what is missing.
+fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+    dtype_code(dtype).ok_or_else(|| {
+        CoreError::Unsupported {
             op,
             device: s.device(),
-            reason: format!("no CUDA elementwise kernel for {other} (f32, bf16 and f16 only)"),
+            reason: format!("no CUDA elementwise kernel for {dtype} (f32, bf16 and f16 only)"),
         }
-        .into()),
+        .into()
+    })
+}
+
+/// Every variant: casts between the kernel dtypes, add and randn per dtype, the bf16 sum.
+pub(crate) fn variants() -> Vec<KernelVariant> {
+    let codes: Vec<&'static str> = super::FLOATS
+        .iter()
+        .filter_map(|&d| dtype_code(d))
+        .collect();
+    let variant = |entry, defines| KernelVariant {
+        family: FAMILY,
+        source: SRC,
+        entry,
+        defines,
+    };
+    let mut v = Vec::new();
+    for &s in &codes {
+        for &d in &codes {
+            v.push(variant(
+                "fmoe_cast",
+                vec![("SRC_DT", s.to_string()), ("DST_DT", d.to_string())],
+            ));
+        }
     }
+    for &c in &codes {
+        v.push(variant("fmoe_add", vec![("DT", c.to_string())]));
+        v.push(variant("fmoe_randn", vec![("DT", c.to_string())]));
+    }
+    v.push(variant("fmoe_sum_bf16", Vec::new()));
+    v
 }
 
 fn launch_1d(n: usize) -> LaunchConfig {

@@ -17,6 +17,8 @@
 mod cpu;
 mod cuda;
 
+pub(crate) use cuda::variants as cuda_variants;
+
 use fmoe_core::{DType, Device, Storage, Tensor};
 
 use crate::Result;

@@ -6,6 +6,7 @@ use fmoe_core::{DType, Error as CoreError, Storage, Tensor};
 
 use super::{AlignedRoutes, OP, capacity};
 use crate::Result;
+use crate::catalog::KernelVariant;
 use crate::launch::u32_arg;
 use crate::nvrtc;
 
@@ -19,6 +20,25 @@ pub const ALIGN_THREADS: u32 = 1024;
 /// The kernel keeps counts, cursors and offsets (3E + 1 u32) in shared memory, within the default
 /// 48 KiB of dynamic shared memory.
 pub const MAX_EXPERTS: usize = (48 * 1024 / 4 - 1) / 3;
+
+/// The kernel's `-D` set for M tiles of `block_m`.
+fn defines(block_m: usize) -> Vec<(&'static str, String)> {
+    vec![("BLOCK_M", format!("{block_m}u"))]
+}
+
+/// The variants for the M tiles `block_ms` (those of the grouped GEMMs: the only `block_m` the
+/// MoE layer aligns to on CUDA).
+pub(crate) fn variants(block_ms: &[usize]) -> Vec<KernelVariant> {
+    block_ms
+        .iter()
+        .map(|&bm| KernelVariant {
+            family: FAMILY,
+            source: SRC,
+            entry: ENTRY,
+            defines: defines(bm),
+        })
+        .collect()
+}
 
 pub(super) fn align_routes(
     ids_tensor: &Tensor,
@@ -50,8 +70,7 @@ pub(super) fn align_routes(
     let mut total = CudaStorage::alloc(backend, DType::U32, 1)?;
     let mut flag = CudaStorage::zeros(backend, DType::U32, 1)?;
 
-    let defines = [("BLOCK_M", format!("{block_m}u"))];
-    let f = nvrtc::load(backend, FAMILY, SRC, ENTRY, &defines)?;
+    let f = nvrtc::load(backend, FAMILY, SRC, ENTRY, &defines(block_m))?;
     let launch = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (ALIGN_THREADS, 1, 1),

@@ -22,6 +22,8 @@
 mod cpu;
 mod cuda;
 
+pub(crate) use cuda::variants as cuda_variants;
+
 use fmoe_core::{DType, Device, Storage, Tensor};
 
 use crate::{Error, Result};

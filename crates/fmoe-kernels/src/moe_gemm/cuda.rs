@@ -23,6 +23,7 @@ use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
+use crate::catalog::KernelVariant;
 use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, u32_arg};
 use crate::moe_align::{AlignedRoutes, align_routes};
 use crate::nvrtc;
@@ -214,6 +215,38 @@ const GEMM_SM90_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90.cu");
 const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
 pub(super) const GLUE_FAMILY: &str = "moe_unfused";
 pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
+
+/// The entry points of `GLUE_SRC` (the portable paths' glue kernels, bf16 and fp8).
+pub(super) const GLUE_ENTRIES: [&str; 5] = [
+    "fmoe_gather_rows",
+    "fmoe_silu_mul",
+    "fmoe_topk_reduce",
+    "fmoe_gather_words",
+    "fmoe_silu_mul_f32",
+];
+
+/// Every bf16 GEMM variant ([`MMA`], [`SM90_SMALL`], [`SM90_LARGE`], both modes) and the glue.
+pub(super) fn variants() -> Vec<KernelVariant> {
+    let mut v = Vec::new();
+    for cfg in [MMA, SM90_SMALL, SM90_LARGE] {
+        let (family, source) = cfg.source();
+        for mode in [1, 2] {
+            v.push(KernelVariant {
+                family,
+                source,
+                entry: GEMM_ENTRY,
+                defines: cfg.defines(mode),
+            });
+        }
+    }
+    v.extend(GLUE_ENTRIES.map(|entry| KernelVariant {
+        family: GLUE_FAMILY,
+        source: GLUE_SRC,
+        entry,
+        defines: Vec::new(),
+    }));
+    v
+}
 
 fn unsupported(op: &'static str, device: Device, reason: String) -> Error {
     CoreError::Unsupported { op, device, reason }.into()

@@ -55,6 +55,7 @@ use super::cuda::{
     DEFAULT_SMEM_LIMIT, GLUE_FAMILY, GLUE_SRC, LARGE_TILE_ROUTES_PER_EXPERT, glue_launch,
 };
 use super::{ActOperand, ActQuant, WeightOperand};
+use crate::catalog::KernelVariant;
 use crate::launch::{cuda_storage, u32_arg};
 use crate::moe_align::{AlignedRoutes, align_routes};
 use crate::nvrtc;
@@ -120,6 +121,24 @@ const BLOCK_SRC: &str = include_str!("../../cuda/moe_gemm_fp8_block_sm90.cu");
 const BLOCK_ENTRY: &str = "fmoe_moe_gemm_fp8_block";
 /// K and N must be multiples of this (16-byte rows of e4m3 codes).
 pub const FP8_K_MULTIPLE: usize = 16;
+
+/// Every fp8 GEMM variant ([`FP8_TENSOR_SMALL`], [`FP8_TENSOR_LARGE`], [`FP8_BLOCK_SCALED`], both
+/// modes); the glue kernels are listed with the bf16 ones.
+pub(super) fn variants() -> Vec<KernelVariant> {
+    let mut v = Vec::new();
+    for cfg in [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED] {
+        let (family, source, entry) = cfg.source();
+        for mode in [1, 2] {
+            v.push(KernelVariant {
+                family,
+                source,
+                entry,
+                defines: cfg.defines(mode),
+            });
+        }
+    }
+    v
+}
 
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).

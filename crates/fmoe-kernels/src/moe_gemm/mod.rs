@@ -45,6 +45,29 @@ pub use cuda_fp8::{
 };
 pub use operand::{ActOperand, ActQuant, QBLOCK, WeightOperand};
 
+/// Every CUDA grouped GEMM and glue kernel variant (see [`crate::catalog`]).
+pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
+    let mut v = cuda::variants();
+    v.extend(cuda_fp8::variants());
+    v
+}
+
+/// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
+pub(crate) fn cuda_block_ms() -> Vec<usize> {
+    let mut bms: Vec<usize> = [MMA, SM90_SMALL, SM90_LARGE]
+        .iter()
+        .map(|c| c.bm)
+        .chain(
+            [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED]
+                .iter()
+                .map(|c| c.bm),
+        )
+        .collect();
+    bms.sort_unstable();
+    bms.dedup();
+    bms
+}
+
 use fmoe_core::{DType, Device, Storage, Tensor};
 
 use crate::moe_align::AlignedRoutes;

@@ -21,6 +21,7 @@ use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
+use crate::catalog::KernelVariant;
 use crate::launch::u32_arg;
 use crate::nvrtc;
 use crate::{Error, Result};
@@ -35,21 +36,55 @@ pub(crate) const GROUP: usize = 128;
 pub(crate) const BLOCK: [usize; 2] = [128, 128];
 const GRID_LIMIT: usize = 65_535;
 
+/// The input dtypes the kernels are built for.
+const INPUT_DTYPES: [DType; 2] = [DType::BF16, DType::F32];
+/// The entry points of the source.
+const ENTRIES: [&str; 4] = [
+    "fmoe_fp8_amax",
+    "fmoe_fp8_quant_tensor",
+    "fmoe_fp8_quant_group",
+    "fmoe_fp8_quant_block",
+];
+
+/// `-D` defines for input of `dtype`, if the kernels take it.
+fn dtype_defines(dtype: DType) -> Option<Vec<(&'static str, String)>> {
+    match dtype {
+        DType::BF16 => Some(Vec::new()),
+        DType::F32 => Some(vec![("QUANT_IN_F32", "1".to_string())]),
+        _ => None,
+    }
+}
+
 /// `-D` defines for the input dtype, or `Unsupported` naming it.
 fn input_defines(op: &'static str, x: &CudaStorage) -> Result<Vec<(&'static str, String)>> {
-    match x.dtype() {
-        DType::BF16 => Ok(Vec::new()),
-        DType::F32 => Ok(vec![("QUANT_IN_F32", "1".to_string())]),
-        other => Err(CoreError::Unsupported {
+    dtype_defines(x.dtype()).ok_or_else(|| {
+        CoreError::Unsupported {
             op,
             device: x.device(),
             reason: format!(
-                "no CUDA quantization kernel for {other} input (bf16 and f32 only; the CPU takes \
-                 f16 too)"
+                "no CUDA quantization kernel for {} input (bf16 and f32 only; the CPU takes f16 \
+                 too)",
+                x.dtype()
             ),
         }
-        .into()),
-    }
+        .into()
+    })
+}
+
+/// Every entry point for every input dtype.
+pub(crate) fn variants() -> Vec<KernelVariant> {
+    INPUT_DTYPES
+        .into_iter()
+        .filter_map(dtype_defines)
+        .flat_map(|defines| {
+            ENTRIES.map(|entry| KernelVariant {
+                family: FAMILY,
+                source: SRC,
+                entry,
+                defines: defines.clone(),
+            })
+        })
+        .collect()
 }
 
 /// Grid of the grid-stride per-tensor kernels: `min(ceil(n / (VEC·256)), 8·SMs)`, at least 1.

@@ -8,6 +8,7 @@ use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
 use crate::Result;
+use crate::catalog::KernelVariant;
 use crate::nvrtc::{self, KernelSpec};
 
 const TOPK_SOFTMAX: &str = "topk_softmax";
@@ -68,6 +69,27 @@ impl TopKSoftmaxConfig {
     fn shared_mem_bytes(&self, experts: usize, top_k: usize) -> usize {
         self.warps_per_block as usize * (experts + 2 * top_k) * 4
     }
+}
+
+/// Every compiled variant: each logits dtype × each experts-per-lane step up to the maximum E.
+pub(crate) fn variants() -> Vec<KernelVariant> {
+    let mut v = Vec::new();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut experts = 32;
+        while experts <= TOPK_SOFTMAX_MAX_EXPERTS {
+            let defines = TopKSoftmaxConfig::new(dtype, experts)
+                .defines()
+                .expect("a logits dtype of the kernel");
+            v.push(KernelVariant {
+                family: TOPK_SOFTMAX,
+                source: TOPK_SOFTMAX_SRC,
+                entry: TOPK_SOFTMAX_ENTRY,
+                defines,
+            });
+            experts *= 2;
+        }
+    }
+    v
 }
 
 /// Runs the kernel; returns (weights f32 `[rows·k]`, ids u32 `[rows·k]`) on the logits' device.

@@ -24,6 +24,8 @@
 mod cpu;
 mod cuda;
 
+pub(crate) use cuda::variants as cuda_variants;
+
 use fmoe_core::{CpuStorage, DType, Storage, Tensor};
 
 use crate::{Error, Result};
