@@ -368,7 +368,13 @@ fn operands<'a>(
     let scheme = pair_scheme(op, device, a.scheme(), w, wname)?;
     let ((aq, as_), (wq, ws)) = match (act_parts(a), weight_parts(w)) {
         (Some(x), Some(y)) => (x, y),
-        _ => unreachable!("pair_scheme accepted fp8 operands only"),
+        // pair_scheme accepts fp8 operands only; an error rather than a panic if that ever drifts.
+        _ => {
+            return Err(Error::invalid(
+                op,
+                "expected fp8 activation and weight operands",
+            ));
+        }
     };
     let act = Operand {
         q: cuda_storage(op, aname, aq, device)?,
