@@ -1,0 +1,306 @@
+//! What the golden tests (tiny Mixtral, tiny DeepSeek-V3 against transformers) share: the
+//! fixture's expected.json, loading a model per MoE method × kernel family, prefill and
+//! full-pass logits, the error measures and tolerances (each test file's module docs say why
+//! they hold), and the checks both models run unchanged.
+
+use std::path::{Path, PathBuf};
+
+use fmoe_core::env::FusedSwitches;
+use fmoe_engine::{ContiguousKvCache, GenerateParams, SamplingParams, generate};
+use fmoe_models::{CausalLm, LoadOptions, LogitsFor, MoeOptions, SeqChunk, load};
+use fmoe_moe::{KernelFamily, QuantScheme};
+use serde::Deserialize;
+
+/// A model of the fixture in a directory, for one MoE method and kernel family.
+pub type Loader = fn(&Path, QuantScheme, KernelFamily) -> Box<dyn CausalLm>;
+
+/// The part of a fixture's expected.json that both models' tests read.
+#[derive(Deserialize)]
+pub struct Expected {
+    pub prompts: Vec<String>,
+    pub prompt_ids: Vec<Vec<u32>>,
+    pub greedy_ids: Vec<Vec<u32>>,
+    /// [prompt][1][vocab]: the last prompt position.
+    pub prefill_logits: Vec<Vec<Vec<f32>>>,
+    pub min_margin: Vec<f32>,
+    /// [prompt][step][0] = transformers' top-1 minus top-2 logit at that greedy step.
+    pub step_margins: Vec<Vec<Vec<f32>>>,
+}
+
+/// tests/fixtures/`name` at the workspace root.
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+/// `dir`/expected.json, parsed as `T`.
+pub fn read_expected<T: for<'de> Deserialize<'de>>(dir: &Path) -> T {
+    let text = std::fs::read_to_string(dir.join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn switches(family: KernelFamily) -> FusedSwitches {
+    FusedSwitches {
+        use_fused: family == KernelFamily::Fused,
+        use_fused_moe: true,
+        use_fused_fp8_block_scaled_moe: true,
+    }
+}
+
+pub fn moe_options(scheme: QuantScheme, family: KernelFamily) -> MoeOptions {
+    MoeOptions {
+        scheme: Some(scheme),
+        switches: switches(family),
+        ..MoeOptions::default()
+    }
+}
+
+pub fn load_model(dir: &Path, scheme: QuantScheme, family: KernelFamily) -> Box<dyn CausalLm> {
+    let opts = LoadOptions {
+        moe: moe_options(scheme, family),
+        ..LoadOptions::default()
+    };
+    load(dir, &opts).unwrap().model
+}
+
+/// Logits of `which` positions of `tokens`, prefilled alone.
+pub fn forward(model: &dyn CausalLm, tokens: &[u32], which: LogitsFor) -> Vec<f32> {
+    let mut cache = ContiguousKvCache::new(model.info().kv_layout.clone());
+    let seq = cache.allocate();
+    let chunk = SeqChunk {
+        seq,
+        tokens: tokens.to_vec(),
+        start_pos: 0,
+    };
+    model
+        .forward(&[chunk], &mut cache, which)
+        .unwrap()
+        .to_f32_vec()
+        .unwrap()
+}
+
+/// Last-position logits of `prompt`, prefilled alone.
+pub fn prefill(model: &dyn CausalLm, prompt: &[u32]) -> Vec<f32> {
+    forward(model, prompt, LogitsFor::Last)
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+fn max_abs(a: &[f32]) -> f32 {
+    a.iter().map(|x| x.abs()).fold(0.0, f32::max)
+}
+
+fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
+    let d: f32 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let n: f32 = want.iter().map(|b| b * b).sum();
+    (d / n).sqrt()
+}
+
+/// The fp8 MoE layer's worst-case relative error (fmoe-moe tests' `QUANT_TOL`).
+const FP8_REL_TOL: f32 = 0.27;
+
+/// f32 compute over the same bf16 weights: `|Δlogit| ≤ 1e-4·(1 + max|logit|)`.
+pub fn f32_tol(want: &[f32]) -> f32 {
+    1e-4 * (1.0 + max_abs(want))
+}
+
+/// (measured error, tolerance) in the measure each scheme is held to.
+fn error_and_tolerance(scheme: QuantScheme, got: &[f32], want: &[f32]) -> (f32, f32) {
+    match scheme {
+        QuantScheme::Unquantized => (max_abs_diff(got, want), f32_tol(want)),
+        QuantScheme::Fp8PerTensor | QuantScheme::Fp8Block => (rel_l2(got, want), FP8_REL_TOL),
+    }
+}
+
+/// For every MoE method × kernel family, the model `load` gives for `dir`: prefill logits
+/// within the scheme's tolerance, teacher-forced argmax, and greedy continuations of all
+/// prompts in one batch against transformers'.
+pub fn every_method_and_kernel_matches_transformers(dir: &Path, exp: &Expected, load: Loader) {
+    let params = GenerateParams {
+        max_tokens: exp.greedy_ids[0].len(),
+        sampling: SamplingParams::default(),
+        ..GenerateParams::default()
+    };
+    let mut failures = Vec::new();
+    for scheme in QuantScheme::ALL {
+        for family in KernelFamily::ALL {
+            let model = load(dir, scheme, family);
+            let mut worst = 0f32;
+            for (i, prompt) in exp.prompt_ids.iter().enumerate() {
+                let got = prefill(model.as_ref(), prompt);
+                let want = &exp.prefill_logits[i][0];
+                let (err, tol) = error_and_tolerance(scheme, &got, want);
+                worst = worst.max(max_abs_diff(&got, want));
+                println!(
+                    "{scheme:>11}/{family:<8} prompt {i}: prefill max |Δlogit| {:.2e}, rel 2-norm {:.2e}",
+                    max_abs_diff(&got, want),
+                    rel_l2(&got, want)
+                );
+                if err > tol {
+                    failures.push(format!(
+                        "{scheme}/{family} prompt {i}: prefill logit error {err:.3e} > {tol:.3e}"
+                    ));
+                }
+            }
+            // Teacher-forced: one pass over prompt + expected continuation; at every step whose
+            // margin exceeds twice the prefill error the argmax must be transformers' token.
+            for i in 0..exp.prompt_ids.len() {
+                let (agree, required, bad) = teacher_forced(model.as_ref(), exp, i, 2.0 * worst);
+                println!(
+                    "{scheme:>11}/{family:<8} prompt {i}: teacher-forced argmax agrees at {agree}/{} steps ({required} required)",
+                    exp.greedy_ids[i].len()
+                );
+                if let Some(step) = bad {
+                    failures.push(format!(
+                        "{scheme}/{family} prompt {i}: teacher-forced argmax differs at step {step} (margin {:.3} > 2·{worst:.3e})",
+                        exp.step_margins[i][step][0]
+                    ));
+                }
+            }
+            // All prompts in one batch: prefill of different lengths, then batched decode.
+            let g = generate(model.as_ref(), None, &exp.prompt_ids, &params).unwrap();
+            for (i, out) in g.outputs.iter().enumerate() {
+                let matches = out.token_ids == exp.greedy_ids[i];
+                let required =
+                    scheme == QuantScheme::Unquantized || exp.min_margin[i] > 2.0 * worst;
+                let agree = out
+                    .token_ids
+                    .iter()
+                    .zip(&exp.greedy_ids[i])
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                println!(
+                    "{scheme:>11}/{family:<8} prompt {i}: worst prefill max |Δlogit| {worst:.2e}, min margin {:.3}, greedy {} (first {agree}/{} agree; {})",
+                    exp.min_margin[i],
+                    if matches { "matches" } else { "differs" },
+                    exp.greedy_ids[i].len(),
+                    if required { "required" } else { "reported" },
+                );
+                if required && !matches {
+                    failures.push(format!(
+                        "{scheme}/{family} prompt {i}: greedy {:?} != {:?}",
+                        out.token_ids, exp.greedy_ids[i]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Argmax agreement along transformers' greedy path: (steps agreeing, steps required, first
+/// required step that disagrees).
+fn teacher_forced(
+    model: &dyn CausalLm,
+    exp: &Expected,
+    i: usize,
+    min_margin: f32,
+) -> (usize, usize, Option<usize>) {
+    let prompt = &exp.prompt_ids[i];
+    let cont = &exp.greedy_ids[i];
+    let full: Vec<u32> = prompt.iter().chain(cont).copied().collect();
+    let all = forward(model, &full, LogitsFor::All);
+    let vocab = model.info().vocab_size;
+    let (mut agree, mut required, mut bad) = (0, 0, None);
+    for (step, &want) in cont.iter().enumerate() {
+        let pos = prompt.len() - 1 + step;
+        let got = fmoe_engine::argmax(&all[pos * vocab..(pos + 1) * vocab]);
+        let must = exp.step_margins[i][step][0] > min_margin;
+        agree += usize::from(got == want);
+        required += usize::from(must);
+        if must && got != want && bad.is_none() {
+            bad = Some(step);
+        }
+    }
+    (agree, required, bad)
+}
+
+/// `min_margin` is the smallest of each prompt's step margins, one per greedy token.
+pub fn fixture_margins_are_what_the_tests_assume(exp: &Expected) {
+    for (i, steps) in exp.step_margins.iter().enumerate() {
+        let min = steps.iter().map(|s| s[0]).fold(f32::INFINITY, f32::min);
+        assert!((min - exp.min_margin[i]).abs() < 1e-6, "prompt {i}: {min}");
+        assert_eq!(steps.len(), exp.greedy_ids[i].len());
+    }
+}
+
+/// Feeds `chunks` (a prompt in one or more pieces, then the continuation a token at a time)
+/// through one KV cache: each chunk's last-position logits must equal those of one forward pass
+/// over all of them, within `f32_tol`. `label` starts each failure message. Returns the largest
+/// |Δlogit|.
+pub fn decode_with_the_cache_equals_one_full_pass(
+    model: &dyn CausalLm,
+    chunks: &[Vec<u32>],
+    label: &str,
+) -> f32 {
+    let full: Vec<u32> = chunks.concat();
+    let all = forward(model, &full, LogitsFor::All);
+    let vocab = model.info().vocab_size;
+    let mut cache = ContiguousKvCache::new(model.info().kv_layout.clone());
+    let seq = cache.allocate();
+    let mut pos = 0;
+    let mut worst = 0f32;
+    for (step, chunk) in chunks.iter().enumerate() {
+        let c = SeqChunk {
+            seq,
+            tokens: chunk.clone(),
+            start_pos: pos,
+        };
+        let got = model
+            .forward(&[c], &mut cache, LogitsFor::Last)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
+        pos += chunk.len();
+        let row = &all[(pos - 1) * vocab..pos * vocab];
+        let err = max_abs_diff(&got, row);
+        worst = worst.max(err);
+        assert!(err <= f32_tol(row), "{label}step {step}: {err}");
+    }
+    worst
+}
+
+pub fn tokenizer_encodes_the_prompts_as_transformers_did(dir: &Path, exp: &Expected) {
+    let tok = fmoe_models::Tokenizer::from_file(&dir.join("tokenizer.json")).unwrap();
+    for (text, ids) in exp.prompts.iter().zip(&exp.prompt_ids) {
+        assert_eq!(&tok.encode(text, true).unwrap(), ids, "{text:?}");
+    }
+}
+
+/// `src` with config.v4.json as its config.json (in a temporary directory named from
+/// `tmp_prefix`) prefills every prompt to the same logits as `src` itself.
+pub fn both_config_layouts_load_to_the_same_model(
+    src: &Path,
+    tmp_prefix: &str,
+    exp: &Expected,
+    load: Loader,
+) {
+    let tmp = tempdir(tmp_prefix);
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(src.join(f), tmp.join(f)).unwrap();
+    }
+    std::fs::copy(src.join("config.v4.json"), tmp.join("config.json")).unwrap();
+    let v5 = load(src, QuantScheme::Unquantized, KernelFamily::Portable);
+    let v4 = load(&tmp, QuantScheme::Unquantized, KernelFamily::Portable);
+    for p in &exp.prompt_ids {
+        assert_eq!(prefill(v5.as_ref(), p), prefill(v4.as_ref(), p));
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+fn tempdir(prefix: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "{prefix}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
