@@ -1,4 +1,4 @@
-//! CUDA twin of `moe_gemm` for bf16 activations and bf16 weights (fp8 operands: `cuda_fp8.rs`,
+//! CUDA twin of `moe_gemm` for bf16 activations and bf16 weights (fp8 operands: `cuda_fp8/`,
 //! which the entry points here hand them to).
 //!
 //! - fused ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): `cuda/moe_gemm_bf16.cu`, MODE 1 (GEMM1

@@ -19,7 +19,7 @@
 //!
 //! CUDA, both families, no host synchronization:
 //! - `cuda.rs`: bf16 activations and bf16 weights;
-//! - `cuda_fp8.rs` (Hopper, sm_90, only): fp8 per-tensor activations with per-tensor weights, and
+//! - `cuda_fp8/` (Hopper, sm_90, only): fp8 per-tensor activations with per-tensor weights, and
 //!   1×128-group activations with 128×128-block weights. GEMM1 quantizes h for GEMM2 in its
 //!   epilogue or right after ([`gemm1_silu_mul_quant`]); the variant and its M tile come from
 //!   [`block_m_for`] ([`Fp8GemmConfig::select`]).

@@ -1,0 +1,312 @@
+//! One fp8 grouped GEMM launch: the operands' and aligned routes' device buffers, the variant's
+//! kernel (compiled through [`crate::nvrtc`]) and its arguments.
+
+use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::{CudaStorage, cuda_error};
+use fmoe_core::{Device, Storage, Tensor};
+
+use super::support::{check_arch, pair_scheme};
+use super::{Fp8GemmConfig, Fp8Scheme};
+use crate::launch::{cuda_storage, u32_arg};
+use crate::moe_align::AlignedRoutes;
+use crate::moe_gemm::cuda::DEFAULT_SMEM_LIMIT;
+use crate::moe_gemm::{ActOperand, WeightOperand};
+use crate::nvrtc;
+use crate::{Error, Result};
+
+/// Codes and scales of an fp8 activation operand.
+fn act_parts(a: &ActOperand) -> Option<(&Tensor, &Tensor)> {
+    match a {
+        ActOperand::Plain(_) => None,
+        ActOperand::Fp8PerTensor { q, scale } => Some((q, scale)),
+        ActOperand::Fp8Group { q, scales } => Some((q, scales)),
+    }
+}
+
+/// Codes and scales of fp8 weights.
+pub(super) fn weight_parts(w: &WeightOperand) -> Option<(&Tensor, &Tensor)> {
+    match w {
+        WeightOperand::Plain(_) => None,
+        WeightOperand::Fp8PerTensor { q, scales } => Some((q, scales)),
+        WeightOperand::Fp8Block { q, scale_inv } => Some((q, scale_inv)),
+    }
+}
+
+/// Device buffers (codes, scales) of one operand.
+pub(super) struct Operand<'a> {
+    pub(super) q: &'a CudaStorage,
+    pub(super) s: &'a CudaStorage,
+}
+
+/// The matching fp8 activation and weight operands on one device, or the error naming why not.
+pub(super) fn operands<'a>(
+    op: &'static str,
+    a: &'a ActOperand,
+    aname: &str,
+    w: &'a WeightOperand,
+    wname: &str,
+) -> Result<(Fp8Scheme, Operand<'a>, Operand<'a>, Device)> {
+    let device = a.data().device();
+    let scheme = pair_scheme(op, device, a.scheme(), w, wname)?;
+    let ((aq, as_), (wq, ws)) = match (act_parts(a), weight_parts(w)) {
+        (Some(x), Some(y)) => (x, y),
+        // pair_scheme accepts fp8 operands only; an error rather than a panic if that ever drifts.
+        _ => {
+            return Err(Error::invalid(
+                op,
+                "expected fp8 activation and weight operands",
+            ));
+        }
+    };
+    let act = Operand {
+        q: cuda_storage(op, aname, aq, device)?,
+        s: cuda_storage(op, &format!("{aname}_scale"), as_, device)?,
+    };
+    let weight = Operand {
+        q: cuda_storage(op, wname, wq, device)?,
+        s: cuda_storage(op, &format!("{wname}_scale"), ws, device)?,
+    };
+    Ok((scheme, act, weight, device))
+}
+
+/// Aligned routes' device buffers, with the variant their M tile belongs to.
+pub(super) struct Fp8Routes<'a> {
+    cfg: Fp8GemmConfig,
+    sorted: &'a CudaStorage,
+    blocks: &'a CudaStorage,
+    total: &'a CudaStorage,
+    slots: usize,
+}
+
+pub(super) fn fp8_routes<'a>(
+    op: &'static str,
+    routes: &'a AlignedRoutes,
+    device: Device,
+    scheme: Fp8Scheme,
+) -> Result<Fp8Routes<'a>> {
+    let Some(cfg) = Fp8GemmConfig::for_block_m(scheme, routes.block_m) else {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "routes are aligned to block_m = {}; the CUDA {scheme:?} fp8 GEMM takes {} (its M \
+                 tiles)",
+                routes.block_m,
+                match scheme {
+                    Fp8Scheme::PerTensor => "64 or 128",
+                    Fp8Scheme::Block => "64",
+                }
+            ),
+        ));
+    };
+    Ok(Fp8Routes {
+        cfg,
+        sorted: cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?,
+        blocks: cuda_storage(op, "block_experts", &routes.block_experts, device)?,
+        total: cuda_storage(op, "total", &routes.total, device)?,
+        slots: routes.slots(),
+    })
+}
+
+/// One launch of an fp8 grouped GEMM.
+pub(super) struct Fp8Gemm<'a> {
+    pub(super) mode: u32,
+    pub(super) act: &'a Operand<'a>,
+    pub(super) weight: &'a Operand<'a>,
+    pub(super) routes: &'a Fp8Routes<'a>,
+    /// MODE 2: f32 [num_routes].
+    pub(super) topk_weights: Option<&'a CudaStorage>,
+    pub(super) num_routes: usize,
+    pub(super) top_k: usize,
+    /// Reduction length (K for GEMM1, N for GEMM2).
+    pub(super) kd: usize,
+    /// Output columns (N for GEMM1, K for GEMM2; 2N for the portable path's GEMM1).
+    pub(super) n_out: usize,
+    pub(super) experts: usize,
+}
+
+/// Launches `g`. Outputs by mode and scheme:
+/// - MODE 1, per-tensor: `out` = h bf16 [R, n_out]; `word` = the amax word (or none);
+/// - MODE 1, block: `out` = codes [R, n_out], `out_scales` = f32 [R, ceil(n_out/128)], `word` = the
+///   error flag (required);
+/// - MODE 2: `y32` = f32 [R / top_k, n_out], zeroed by the caller.
+pub(super) fn launch(
+    op: &'static str,
+    g: &Fp8Gemm<'_>,
+    out: Option<&mut CudaStorage>,
+    out_scales: Option<&mut CudaStorage>,
+    word: Option<&CudaView<'_, u8>>,
+    y32: Option<&mut CudaStorage>,
+) -> Result<()> {
+    let cfg = g.routes.cfg;
+    let blocks_m = g.routes.slots / cfg.bm;
+    if g.num_routes == 0 || g.n_out == 0 || blocks_m == 0 {
+        return Ok(());
+    }
+    let backend = g.act.q.backend();
+    check_arch(op, g.act.q.device(), backend.compute_capability())?;
+    let consistent = match (g.mode, cfg.scheme) {
+        (1, Fp8Scheme::PerTensor) => out.is_some() && out_scales.is_none() && y32.is_none(),
+        (1, Fp8Scheme::Block) => {
+            out.is_some() && out_scales.is_some() && word.is_some() && y32.is_none()
+        }
+        (2, _) => out.is_none() && out_scales.is_none() && y32.is_some(),
+        _ => false,
+    };
+    if !consistent {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "internal: fp8 GEMM MODE {} ({:?}) launched with the wrong outputs",
+                g.mode, cfg.scheme
+            ),
+        ));
+    }
+    let grid_y = u32::try_from(blocks_m)
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "{} routes need {blocks_m} M tiles of {}; one launch takes at most 65535",
+                    g.num_routes, cfg.bm
+                ),
+            )
+        })?;
+    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
+    let splits = if g.mode == 2 {
+        cfg.splits(
+            g.num_routes,
+            g.experts,
+            g.routes.slots,
+            n_tiles,
+            g.kd,
+            backend.multiprocessor_count() as usize,
+        )
+    } else {
+        1
+    };
+    let grid_x = u32_arg(op, "N tiles", n_tiles)?;
+    let grid_z = u32_arg(op, "split-K", splits)?;
+    let num_routes = u32_arg(op, "number of routes", g.num_routes)?;
+    let top_k = u32_arg(op, "top_k", g.top_k)?;
+    let kd = u32_arg(op, "reduction length", g.kd)?;
+    let n_out = u32_arg(op, "output columns", g.n_out)?;
+    let (family, source, entry) = cfg.source();
+    let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
+    let smem = cfg.smem_bytes();
+    if smem > DEFAULT_SMEM_LIMIT {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(|e| cuda_error("moe_gemm fp8: shared memory opt-in", e))?;
+    }
+    let launch = LaunchConfig {
+        grid_dim: (grid_x, grid_y, grid_z),
+        block_dim: (cfg.threads(), 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let out = match out {
+        Some(s) => Some(s.buffer_mut()?),
+        None => None,
+    };
+    let out_scales = match out_scales {
+        Some(s) => Some(s.buffer_mut()?),
+        None => None,
+    };
+    let y32 = match y32 {
+        Some(s) => Some(s.buffer_mut()?),
+        None => None,
+    };
+    let null: u64 = 0;
+    let stream = backend.stream();
+    let mut b = stream.launch_builder(&f);
+    let (r, bl, tot) = (
+        g.routes.sorted.buffer(),
+        g.routes.blocks.buffer(),
+        g.routes.total.buffer(),
+    );
+    match cfg.scheme {
+        Fp8Scheme::PerTensor => {
+            // (a, w, sorted_routes, block_experts, total, topk_weights, a_scale, w_scale, h_out,
+            //  h_amax, y32, num_routes, top_k, kd, n_out)
+            b.arg(g.act.q.buffer())
+                .arg(g.weight.q.buffer())
+                .arg(r)
+                .arg(bl)
+                .arg(tot);
+            match g.topk_weights {
+                Some(w) => b.arg(w.buffer()),
+                None => b.arg(&null),
+            };
+            b.arg(g.act.s.buffer()).arg(g.weight.s.buffer());
+            match out {
+                Some(h) => b.arg(h),
+                None => b.arg(&null),
+            };
+            match word {
+                Some(w) => b.arg(w),
+                None => b.arg(&null),
+            };
+            match y32 {
+                Some(y) => b.arg(y),
+                None => b.arg(&null),
+            };
+        }
+        Fp8Scheme::Block => {
+            // (a, a_scale, w, w_scale, sorted_routes, block_experts, total, topk_weights, q_out,
+            //  s_out, y32, error_flag, num_routes, top_k, kd, n_out)
+            b.arg(g.act.q.buffer())
+                .arg(g.act.s.buffer())
+                .arg(g.weight.q.buffer())
+                .arg(g.weight.s.buffer())
+                .arg(r)
+                .arg(bl)
+                .arg(tot);
+            match g.topk_weights {
+                Some(w) => b.arg(w.buffer()),
+                None => b.arg(&null),
+            };
+            match out {
+                Some(q) => b.arg(q),
+                None => b.arg(&null),
+            };
+            match out_scales {
+                Some(s) => b.arg(s),
+                None => b.arg(&null),
+            };
+            match y32 {
+                Some(y) => b.arg(y),
+                None => b.arg(&null),
+            };
+            match word {
+                Some(w) => b.arg(w),
+                None => b.arg(&null),
+            };
+        }
+    }
+    b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
+    // SAFETY: the arguments match the entry's parameters in order and type (pointers, then four
+    // u32) for the compiled scheme, as written out above. The callers checked: the activation codes
+    // are e4m3 [rows, kd] with rows = num_routes / top_k (MODE 1) or num_routes (MODE 2) and their
+    // scales f32 [1] (per-tensor) or [rows, ceil(kd/128)] (block); the weights are e4m3
+    // [E, 2·n_out (MODE 1) or n_out (MODE 2), kd] with scales f32 [E] or
+    // [E, ceil(rows/128), ceil(kd/128)]; kd and (MODE 1) n_out are multiples of 16 and every buffer
+    // is a 256-byte aligned allocation (16-byte cp.async rows, paired and vector stores); the routes
+    // come from moe_align with BLOCK_M = cfg.bm over these num_routes routes and E experts, so
+    // sorted holds grid_y · bm slots, block ids are < E before *total and route ids < num_routes
+    // or the pad; MODE 1's outputs hold num_routes rows (h bf16, or codes and group scales) and
+    // its `word` is a live u32 (zeroed amax, or the error flag); MODE 2's topk_weights hold
+    // num_routes f32 and y32 (num_routes / top_k)·n_out f32, zeroed since split-K and the top-k
+    // sum add into it; each mode's unused pointers are null and never dereferenced by that mode;
+    // MODE 1 runs with gridDim.z = 1; the dynamic shared memory is the source's formula for these
+    // defines, opted in above 48 KiB (≤ 227 KiB).
+    unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
+    Ok(())
+}
+
+pub(super) fn cuda_tensor(s: CudaStorage, dims: &[usize]) -> Result<Tensor> {
+    Ok(Tensor::from_storage(Storage::Cuda(s), dims)?)
+}

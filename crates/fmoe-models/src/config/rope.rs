@@ -1,0 +1,102 @@
+//! Rotary embedding parameters: `rope_scaling` (4.x) or `rope_parameters` (5.x) as written, and
+//! the resolved [`RopeConfig`].
+
+use serde::Deserialize;
+
+/// `rope_scaling` (4.x) or `rope_parameters` (5.x), as written. Every field is optional here;
+/// [`RopeConfig::resolve`] checks what each rope type needs.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+pub struct RopeParametersJson {
+    pub rope_type: Option<String>,
+    /// Older files spell `rope_type` as `type`.
+    #[serde(rename = "type")]
+    pub type_: Option<String>,
+    pub rope_theta: Option<f64>,
+    pub factor: Option<f64>,
+    pub original_max_position_embeddings: Option<usize>,
+    pub beta_fast: Option<f64>,
+    pub beta_slow: Option<f64>,
+    pub mscale: Option<f64>,
+    pub mscale_all_dim: Option<f64>,
+    pub attention_factor: Option<f64>,
+    pub truncate: Option<bool>,
+}
+
+/// Rotary embedding parameters, resolved from either layout.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub scaling: RopeScaling,
+}
+
+/// The frequency schedule.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// `inv_freq[i] = θ^(-2i/d)`.
+    Default,
+    /// YaRN (DeepSeek-V3): interpolation and extrapolation blended by a ramp between the
+    /// correction dims of `beta_fast`/`beta_slow`.
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        mscale: Option<f64>,
+        mscale_all_dim: Option<f64>,
+        attention_factor: Option<f64>,
+        truncate: bool,
+    },
+}
+
+impl RopeConfig {
+    /// Combines the 4.x fields (`rope_theta`, `rope_scaling`) and the 5.x `rope_parameters`
+    /// (which wins where both are present). `max_position_embeddings` is YaRN's default original
+    /// length.
+    pub fn resolve(
+        rope_theta: Option<f64>,
+        rope_scaling: Option<&RopeParametersJson>,
+        rope_parameters: Option<&RopeParametersJson>,
+        max_position_embeddings: usize,
+        default_theta: f64,
+    ) -> std::result::Result<RopeConfig, String> {
+        let p = rope_parameters.or(rope_scaling);
+        let theta = p
+            .and_then(|p| p.rope_theta)
+            .or(rope_theta)
+            .unwrap_or(default_theta);
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(format!("rope_theta must be positive, got {theta}"));
+        }
+        let kind = p.and_then(|p| p.rope_type.as_deref().or(p.type_.as_deref()));
+        let scaling = match kind {
+            None | Some("default") => RopeScaling::Default,
+            Some("yarn") => {
+                let p = p.cloned().unwrap_or_default();
+                let factor = p
+                    .factor
+                    .ok_or("rope type yarn needs `factor`".to_string())?;
+                if !(factor.is_finite() && factor >= 1.0) {
+                    return Err(format!("yarn `factor` must be >= 1, got {factor}"));
+                }
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: p
+                        .original_max_position_embeddings
+                        .unwrap_or(max_position_embeddings),
+                    beta_fast: p.beta_fast.unwrap_or(32.0),
+                    beta_slow: p.beta_slow.unwrap_or(1.0),
+                    mscale: p.mscale,
+                    mscale_all_dim: p.mscale_all_dim,
+                    attention_factor: p.attention_factor,
+                    truncate: p.truncate.unwrap_or(true),
+                }
+            }
+            Some(other) => {
+                return Err(format!(
+                    "unsupported rope type `{other}` (supported: default, yarn)"
+                ));
+            }
+        };
+        Ok(RopeConfig { theta, scaling })
+    }
+}
