@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 
 #include "common/async_copy.cuh"
+#include "common/k_split.cuh"
 #include "common/math.cuh"
 #include "common/mma_sm80.cuh"
 
@@ -112,10 +113,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
             for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 
     // This block's share of the reduction (all of it unless MODE 2 splits over gridDim.z).
-    const unsigned int all_tiles = (kd + BK - 1) / BK;
-    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
-    const unsigned int kbase = blockIdx.z * per_split * BK;
-    const unsigned int ktiles = min(per_split, all_tiles - min(all_tiles, blockIdx.z * per_split));
+    const KSplit split = k_split((kd + BK - 1) / BK);
+    const unsigned int kbase = split.first * BK, ktiles = split.count;
     if (ktiles == 0) return;  // a trailing split with nothing left to reduce
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {

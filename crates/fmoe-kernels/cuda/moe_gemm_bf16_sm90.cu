@@ -13,6 +13,7 @@
 
 #include "common/async_copy.cuh"
 #include "common/math.cuh"
+#include "common/moe_tile.cuh"
 #include "common/sm90_wgmma.cuh"
 
 #ifndef MODE
@@ -70,6 +71,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 
     auto load_stage = [&](unsigned int stage, unsigned int k0) {
         const unsigned int sa = ring + stage * STAGE_BYTES, sb = sa + A_BYTES;
+        // A rows are gathered inline: the same loop moved into a helper changes the MODE 2 code
+        // NVRTC emits (cubin fingerprints), which only a GPU run could vouch for.
 #pragma unroll
         for (int i = 0; i < BM * 8 / NTHREADS; ++i) {
             const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 8;
@@ -82,29 +85,15 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #endif
             cp_async16(sa + swz(r, ch), a + (ok ? row * kd + col : 0), ok);
         }
-#pragma unroll
-        for (int i = 0; i < WG_N * 8 / NTHREADS; ++i) {
-            const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 8;
-#if MODE == 1
-            const unsigned int n = n0 + (r % (WG_N / 2));
-            const unsigned long long wr = (r < WG_N / 2 ? 0ull : (unsigned long long)n_out) + n;
-            const bool ok = n < n_out && col < kd;
-#else
-            const unsigned long long wr = n0 + r;
-            const bool ok = n0 + r < n_out && col < kd;
-#endif
-            cp_async16(sb + swz(r, ch), we + (ok ? wr * kd + col : 0), ok);
-        }
+        load_weight_tile<__nv_bfloat16, WG_N, NTHREADS, MODE == 1>(sb, we, n0, n_out, kd, k0, tid);
     };
 
     float acc[WG_N / 2];
 #pragma unroll
     for (int i = 0; i < WG_N / 2; ++i) acc[i] = 0.0f;
 
-    const unsigned int all_tiles = (kd + BK - 1) / BK;
-    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
-    const unsigned int kbase = blockIdx.z * per_split * BK;
-    const unsigned int ktiles = min(per_split, all_tiles - min(all_tiles, blockIdx.z * per_split));
+    const KSplit split = k_split((kd + BK - 1) / BK);
+    const unsigned int kbase = split.first * BK, ktiles = split.count;
     if (ktiles == 0) return;
 
     constexpr int AHEAD = STAGES - 2;  // tiles prefetched beyond the one being consumed

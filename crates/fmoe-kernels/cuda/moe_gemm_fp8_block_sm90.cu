@@ -38,6 +38,7 @@
 #include "common/async_copy.cuh"
 #include "common/atomics.cuh"
 #include "common/fp8.cuh"
+#include "common/k_split.cuh"
 #include "common/math.cuh"
 #include "common/sm90_wgmma.cuh"
 
@@ -150,9 +151,8 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
 #pragma unroll
     for (int i = 0; i < 64; ++i) acc[i] = part[i] = 0.0f;
 
-    const unsigned int per_split = (kblocks + gridDim.z - 1) / gridDim.z;
-    const unsigned int kb0 = blockIdx.z * per_split;
-    const unsigned int ktiles = min(per_split, kblocks - min(kblocks, kb0));
+    const KSplit split = k_split(kblocks);
+    const unsigned int kb0 = split.first, ktiles = split.count;
     if (ktiles == 0) return;
 
     constexpr int AHEAD = STAGES - 1;  // every wgmma is retired before the next barrier

@@ -43,6 +43,7 @@
 #include "common/async_copy.cuh"
 #include "common/atomics.cuh"
 #include "common/math.cuh"
+#include "common/moe_tile.cuh"
 #include "common/sm90_wgmma.cuh"
 
 #ifndef MODE
@@ -105,6 +106,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 
     auto load_stage = [&](unsigned int stage, unsigned int k0) {
         const unsigned int sa = ring + stage * STAGE_BYTES, sb = sa + A_BYTES;
+        // A rows are gathered inline: the same loop moved into a helper changes the MODE 2 code
+        // NVRTC emits (cubin fingerprints), which only a GPU run could vouch for.
 #pragma unroll
         for (int i = 0; i < BM * 8 / NTHREADS; ++i) {
             const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
@@ -117,19 +120,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #endif
             cp_async16(sa + swz(r, ch), a + (ok ? row * kd + col : 0), ok);
         }
-#pragma unroll
-        for (int i = 0; i < WG_N * 8 / NTHREADS; ++i) {
-            const unsigned int c = tid + i * NTHREADS, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
-#if MODE == 1
-            const unsigned int n = n0 + (r % (WG_N / 2));
-            const unsigned long long wr = (r < WG_N / 2 ? 0ull : (unsigned long long)n_out) + n;
-            const bool ok = n < n_out && col < kd;
-#else
-            const unsigned long long wr = n0 + r;
-            const bool ok = n0 + r < n_out && col < kd;
-#endif
-            cp_async16(sb + swz(r, ch), we + (ok ? wr * kd + col : 0), ok);
-        }
+        load_weight_tile<unsigned char, WG_N, NTHREADS, MODE == 1>(sb, we, n0, n_out, kd, k0, tid);
     };
 
     float acc[WG_N / 2];
@@ -141,10 +132,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     for (int i = 0; i < WG_N / 2; ++i) part[i] = 0.0f;
 #endif
 
-    const unsigned int all_tiles = (kd + BK - 1) / BK;
-    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
-    const unsigned int kbase = blockIdx.z * per_split * BK;
-    const unsigned int ktiles = min(per_split, all_tiles - min(all_tiles, blockIdx.z * per_split));
+    const KSplit split = k_split((kd + BK - 1) / BK);
+    const unsigned int kbase = split.first * BK, ktiles = split.count;
     if (ktiles == 0) return;
 
 #if PROMOTE

@@ -68,7 +68,15 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/common/atomics.cuh"),
     ),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
+    (
+        "common/k_split.cuh",
+        include_str!("../cuda/common/k_split.cuh"),
+    ),
     ("common/math.cuh", include_str!("../cuda/common/math.cuh")),
+    (
+        "common/moe_tile.cuh",
+        include_str!("../cuda/common/moe_tile.cuh"),
+    ),
     (
         "common/mma_sm80.cuh",
         include_str!("../cuda/common/mma_sm80.cuh"),

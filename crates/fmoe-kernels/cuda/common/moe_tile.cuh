@@ -1,0 +1,31 @@
+// The weight tile of the wgmma grouped MoE GEMMs, addressed the same way by the bf16 and fp8
+// variants, so a fix to it lands in one place.
+
+#ifndef FMOE_COMMON_MOE_TILE_CUH
+#define FMOE_COMMON_MOE_TILE_CUH
+
+#include "common/async_copy.cuh"
+#include "common/k_split.cuh"
+#include "common/sm90_wgmma.cuh"
+
+// One 128-byte K slice of ROWS weight rows of one expert (`we`: [w_rows, kd]) into a swizzled
+// tile. PAIRED (GEMM1): tile rows [0, ROWS/2) are gate rows n0 + r and [ROWS/2, ROWS) the matching
+// up rows n_out + n0 + r, so one tile holds both halves of SiLU(gate) * up; otherwise (GEMM2) tile
+// row r is weight row n0 + r. Rows past n_out and columns past kd are zero-filled.
+template <typename T, int ROWS, int THREADS, bool PAIRED>
+__device__ __forceinline__ void load_weight_tile(unsigned int dst, const T* we,
+                                                 unsigned int n0, unsigned int n_out, unsigned int kd,
+                                                 unsigned int k0, unsigned int tid) {
+    constexpr unsigned int PER_CHUNK = 16 / sizeof(T);
+#pragma unroll
+    for (int i = 0; i < ROWS * 8 / THREADS; ++i) {
+        const unsigned int c = tid + i * THREADS, r = c >> 3, ch = c & 7, col = k0 + ch * PER_CHUNK;
+        const unsigned int n = PAIRED ? n0 + (r % (ROWS / 2)) : n0 + r;
+        const unsigned long long wr =
+            PAIRED ? (r < ROWS / 2 ? 0ull : (unsigned long long)n_out) + n : (unsigned long long)n;
+        const bool ok = n < n_out && col < kd;
+        cp_async16(dst + swz(r, ch), we + (ok ? wr * kd + col : 0), ok);
+    }
+}
+
+#endif  // FMOE_COMMON_MOE_TILE_CUH
