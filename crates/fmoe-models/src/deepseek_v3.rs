@@ -37,14 +37,14 @@
 //! attention, MLP and expert linear; embeddings, norms, the router gate and its bias, and
 //! lm_head stay unquantized.
 
-use fmoe_core::{DType, Device, Tensor};
+use fmoe_core::{DType, Tensor};
 use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
 use crate::layers::{
-    Embedding, ExpertNames, Linear, Mla, MlaSpec, Mlp, MoeBlock, RmsNorm, RopeStyle, Rotary,
-    WeightScale, add_in_place,
+    ExpertNames, Linear, LmEnds, Mla, MlaSpec, Mlp, MoeBlock, RmsNorm, RopeStyle, Rotary,
+    add_in_place,
 };
 use crate::loader::Vb;
 use crate::model::{CausalLm, ForwardBatch, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk};
@@ -154,10 +154,8 @@ fn load_moe(
 
 /// DeepSeek-V3 with a language-model head.
 pub struct DeepseekV3ForCausalLM {
-    embed_tokens: Embedding,
+    ends: LmEnds,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
     rotary: Rotary,
     info: ModelInfo,
 }
@@ -166,10 +164,7 @@ impl DeepseekV3ForCausalLM {
     /// Tensors [`DeepseekV3ForCausalLM::load`] reads (for the progress bar).
     pub fn num_tensors(cfg: &Config) -> u64 {
         let quant = cfg.quantization().unwrap_or(QuantizationConfig::None);
-        let per_linear = match quant {
-            QuantizationConfig::None => 1,
-            _ => 2,
-        };
+        let per_linear = quant.tensors_per_linear();
         let attn = match cfg.q_lora_rank {
             Some(_) => 2 * per_linear + 1,
             None => per_linear,
@@ -195,20 +190,10 @@ impl DeepseekV3ForCausalLM {
         let spec = MlaSpec::from_config(cfg).map_err(bad)?;
         let m = vb.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed_tokens = Embedding::load(&m.pp("embed_tokens"), v, h)?;
+        let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, i, spec, &m.pp("layers").pp(i), &quant, moe))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&m.pp("norm"), h, cfg.rms_norm_eps)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(
-                "model.embed_tokens.weight",
-                embed_tokens.weight().clone(),
-                WeightScale::None,
-            )?
-        } else {
-            Linear::load(&vb.pp("lm_head"), v, h, &QuantizationConfig::None)?
-        };
         let moe_summary = layers.iter().find_map(|l| match &l.mlp {
             Ffn::Moe(b) => Some((b.experts().scheme(), b.experts().kernel().family)),
             Ffn::Dense(_) => None,
@@ -226,10 +211,8 @@ impl DeepseekV3ForCausalLM {
             moe: moe_summary,
         };
         Ok(DeepseekV3ForCausalLM {
-            embed_tokens,
+            ends,
             layers,
-            norm,
-            lm_head,
             rotary: Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved),
             info,
         })
@@ -270,7 +253,7 @@ impl DeepseekV3ForCausalLM {
         let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
         let t = batch.num_tokens();
         let rope = self.rotary.table(&batch.positions);
-        let mut h = self.embed_tokens.forward(&batch.tokens)?;
+        let mut h = self.ends.embed(&batch.tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = layer.input_layernorm.forward(&h)?;
             let a = layer
@@ -300,19 +283,7 @@ impl DeepseekV3ForCausalLM {
             };
             add_in_place(&mut h, &m);
         }
-        let hidden = self.embed_tokens.weight().dims()[1];
-        let rows = batch.logit_rows(which);
-        let picked: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| h[r * hidden..(r + 1) * hidden].iter().copied())
-            .collect();
-        let normed = self.norm.forward(&picked)?;
-        let logits = self.lm_head.forward(&normed, rows.len())?;
-        Ok(Tensor::from_vec(
-            logits,
-            [rows.len(), self.info.vocab_size],
-            &Device::Cpu,
-        )?)
+        self.ends.logits(&h, &batch, which, self.info.vocab_size)
     }
 }
 

@@ -24,14 +24,14 @@
 //! `weight_scale_inv` (128×128 blocks) beside each quantized weight; the router gate, norms,
 //! embeddings and lm_head stay bf16.
 
-use fmoe_core::{Device, Tensor};
+use fmoe_core::Tensor;
 use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::layers::moe::{MoeOptions, load_experts, resolve_scheme};
 use crate::layers::{
-    Attention, AttentionSpec, Embedding, ExpertNames, Linear, MoeBlock, RmsNorm, RopeStyle, Rotary,
-    WeightScale, add_in_place,
+    Attention, AttentionSpec, ExpertNames, Linear, LmEnds, MoeBlock, RmsNorm, RopeStyle, Rotary,
+    add_in_place,
 };
 use crate::loader::Vb;
 use crate::model::{CausalLm, ForwardBatch, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk};
@@ -111,10 +111,8 @@ fn attention_spec(cfg: &Config) -> AttentionSpec {
 
 /// Mixtral with a language-model head.
 pub struct MixtralForCausalLM {
-    embed_tokens: Embedding,
+    ends: LmEnds,
     layers: Vec<DecoderLayer>,
-    norm: RmsNorm,
-    lm_head: Linear,
     rotary: Rotary,
     info: ModelInfo,
 }
@@ -123,10 +121,7 @@ impl MixtralForCausalLM {
     /// Tensors [`MixtralForCausalLM::load`] reads (for the progress bar).
     pub fn num_tensors(cfg: &Config) -> u64 {
         let quant = cfg.quantization().unwrap_or(QuantizationConfig::None);
-        let per_linear = match quant {
-            QuantizationConfig::None => 1,
-            _ => 2,
-        };
+        let per_linear = quant.tensors_per_linear();
         let per_layer = 2 + 1 + (4 + 3 * cfg.num_local_experts) * per_linear;
         let head = if cfg.tie_word_embeddings { 0 } else { 1 };
         (2 + head + cfg.num_hidden_layers * per_layer) as u64
@@ -140,20 +135,10 @@ impl MixtralForCausalLM {
         let rope = cfg.rope().map_err(bad)?;
         let m = vb.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let embed_tokens = Embedding::load(&m.pp("embed_tokens"), v, h)?;
+        let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| DecoderLayer::load(cfg, &m.pp("layers").pp(i), &quant, moe))
             .collect::<Result<Vec<_>>>()?;
-        let norm = RmsNorm::load(&m.pp("norm"), h, cfg.rms_norm_eps)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(
-                "model.embed_tokens.weight",
-                embed_tokens.weight().clone(),
-                WeightScale::None,
-            )?
-        } else {
-            Linear::load(&vb.pp("lm_head"), v, h, &QuantizationConfig::None)?
-        };
         let spec = attention_spec(cfg);
         let moe_summary = layers.first().map(|l| {
             let e = l.block_sparse_moe.experts();
@@ -172,10 +157,8 @@ impl MixtralForCausalLM {
             moe: moe_summary,
         };
         Ok(MixtralForCausalLM {
-            embed_tokens,
+            ends,
             layers,
-            norm,
-            lm_head,
             rotary: Rotary::new(&rope, cfg.head_dim(), RopeStyle::HalfSplit),
             info,
         })
@@ -201,7 +184,7 @@ impl CausalLm for MixtralForCausalLM {
         let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
         let t = batch.num_tokens();
         let rope = self.rotary.table(&batch.positions);
-        let mut h = self.embed_tokens.forward(&batch.tokens)?;
+        let mut h = self.ends.embed(&batch.tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let a = layer.input_layernorm.forward(&h)?;
             let a = layer
@@ -212,18 +195,6 @@ impl CausalLm for MixtralForCausalLM {
             let m = layer.block_sparse_moe.forward(&m, t)?;
             add_in_place(&mut h, &m);
         }
-        let hidden = self.embed_tokens.weight().dims()[1];
-        let rows = batch.logit_rows(which);
-        let picked: Vec<f32> = rows
-            .iter()
-            .flat_map(|&r| h[r * hidden..(r + 1) * hidden].iter().copied())
-            .collect();
-        let normed = self.norm.forward(&picked)?;
-        let logits = self.lm_head.forward(&normed, rows.len())?;
-        Ok(Tensor::from_vec(
-            logits,
-            [rows.len(), self.info.vocab_size],
-            &Device::Cpu,
-        )?)
+        self.ends.logits(&h, &batch, which, self.info.vocab_size)
     }
 }

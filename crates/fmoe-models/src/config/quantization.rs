@@ -77,4 +77,13 @@ impl QuantizationConfig {
             }
         }
     }
+
+    /// Checkpoint tensors per linear layer: the weight, plus its scale when quantized (for the
+    /// loading progress bar).
+    pub fn tensors_per_linear(&self) -> usize {
+        match self {
+            QuantizationConfig::None => 1,
+            _ => 2,
+        }
+    }
 }

@@ -18,9 +18,11 @@
 //!   and [`MoeBlock`] (router gate + [`fmoe_moe::FusedMoe`]).
 //! - [`mla`]: DeepSeek's multi-head latent attention ([`Mla`]) over a compressed-latent KV cache.
 //! - [`mlp`]: the dense SwiGLU MLP ([`Mlp`]).
+//! - [`lm_head`]: embeddings in, final norm and language-model head out ([`LmEnds`]).
 
 pub mod attention;
 pub mod linear;
+pub mod lm_head;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
@@ -29,6 +31,7 @@ pub mod rotary;
 
 pub use attention::{Attention, AttentionSpec};
 pub use linear::{Embedding, Linear, WeightScale};
+pub use lm_head::LmEnds;
 pub use mla::{Mla, MlaPath, MlaSpec};
 pub use mlp::Mlp;
 pub use moe::{ExpertNames, MoeBlock};
