@@ -184,6 +184,83 @@ pub(super) struct CudaFields {
     pub(super) fused_vs_portable: Option<f64>,
 }
 
+/// What one row measures: a shape, a method and a batch, and the traffic they imply. Both devices
+/// build their rows from it, so the byte and FLOP counts are written once.
+pub(super) struct Case<'a> {
+    pub(super) date: &'a str,
+    pub(super) device: Device,
+    pub(super) shape: &'a Shape,
+    pub(super) scheme: QuantScheme,
+    pub(super) tokens: usize,
+    pub(super) experts_touched: usize,
+    /// Touched experts' weights and scales, plus the activations read and written once (bf16).
+    pub(super) bytes: usize,
+    /// 2 · routes · 3 · N · K.
+    pub(super) flops: f64,
+}
+
+impl<'a> Case<'a> {
+    pub(super) fn new(
+        date: &'a str,
+        device: Device,
+        shape: &'a Shape,
+        scheme: QuantScheme,
+        tokens: usize,
+        experts_touched: usize,
+        ops: &ExpertOperands,
+    ) -> Case<'a> {
+        let (k, n) = (shape.hidden, shape.intermediate);
+        let bytes =
+            experts_touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * tokens * k * 2;
+        let flops = 2.0 * (tokens * shape.top_k) as f64 * 3.0 * (n * k) as f64;
+        Case {
+            date,
+            device,
+            shape,
+            scheme,
+            tokens,
+            experts_touched,
+            bytes,
+            flops,
+        }
+    }
+
+    /// The row of one kernel family's timing.
+    pub(super) fn row(
+        &self,
+        family: KernelFamily,
+        ms: f64,
+        iters: usize,
+        errors: (Option<f64>, Option<f64>),
+        cuda: Option<CudaFields>,
+    ) -> Row {
+        let shape = self.shape;
+        Row {
+            date: self.date.to_string(),
+            device: self.device.to_string(),
+            shape: shape.name.to_string(),
+            method: self.scheme.to_string(),
+            kernel: family.to_string(),
+            tokens: self.tokens,
+            experts: shape.experts,
+            hidden: shape.hidden,
+            intermediate: shape.intermediate,
+            top_k: shape.top_k,
+            experts_touched: self.experts_touched,
+            ms,
+            iters,
+            gb_per_s: self.bytes as f64 / (ms * 1e-3) / 1e9,
+            gflop_per_s: self.flops / (ms * 1e-3) / 1e9,
+            bytes: self.bytes,
+            flops: self.flops,
+            rel_err: errors.0,
+            quant_err: errors.1,
+            speedup_vs_portable: None,
+            cuda,
+        }
+    }
+}
+
 pub fn run(b: Bench) -> Result<()> {
     let Bench::Moe(args) = b;
     FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
@@ -284,6 +361,15 @@ pub fn run(b: Bench) -> Result<()> {
                         moe_f64(&x, &topk, &ExpertOperands::unquantized(&w13, &w2))?,
                     ))
                 };
+                let case = Case::new(
+                    &date,
+                    device,
+                    shape,
+                    scheme,
+                    m,
+                    touched,
+                    layers[0].method().operands()?,
+                );
                 let mut portable_ms = None;
                 let mut fused_rows = Vec::new();
                 for layer in &layers {
@@ -295,36 +381,10 @@ pub fn run(b: Bench) -> Result<()> {
                         Some((same, exact)) => (Some(rel_err(&y, same)), Some(rel_err(&y, exact))),
                         None => (None, None),
                     };
-                    let ops = layer.method().operands()?;
-                    let bytes =
-                        touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * m * k * 2;
-                    let flops = 2.0 * (m * shape.top_k) as f64 * 3.0 * (n * k) as f64;
                     if family == KernelFamily::Portable {
                         portable_ms = Some(ms);
                     }
-                    let row = Row {
-                        date: date.clone(),
-                        device: device.to_string(),
-                        shape: shape.name.to_string(),
-                        method: scheme.to_string(),
-                        kernel: family.to_string(),
-                        tokens: m,
-                        experts: e,
-                        hidden: k,
-                        intermediate: n,
-                        top_k: shape.top_k,
-                        experts_touched: touched,
-                        ms,
-                        iters,
-                        gb_per_s: bytes as f64 / (ms * 1e-3) / 1e9,
-                        gflop_per_s: flops / (ms * 1e-3) / 1e9,
-                        bytes,
-                        flops,
-                        rel_err: rel,
-                        quant_err: quant,
-                        speedup_vs_portable: None,
-                        cuda: None,
-                    };
+                    let row = case.row(family, ms, iters, (rel, quant), None);
                     if family == KernelFamily::Fused {
                         fused_rows.push(rows.len());
                     }

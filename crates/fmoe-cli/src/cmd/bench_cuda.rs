@@ -51,7 +51,7 @@ use fmoe_moe::stages::ExpertOperands;
 use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
 use indicatif::ProgressBar;
 
-use super::bench::{CudaFields, MoeArgs, Row, Shape};
+use super::bench::{Case, CudaFields, MoeArgs, Row, Shape};
 
 /// Token counts when `--tokens` is not given.
 pub(super) const DEFAULT_TOKENS: &[usize] = &[
@@ -274,10 +274,8 @@ pub(super) fn run(
                     Some(l) => l.method().operands()?,
                     None => break,
                 };
-                let bytes =
-                    touched * (ops.w13.expert_bytes() + ops.w2.expert_bytes()) + 2 * m * k * 2;
-                let flops = 2.0 * (m * shape.top_k) as f64 * 3.0 * (n * k) as f64;
-                let floor = ceilings.floor_ms(bytes as f64, flops, fp8);
+                let case = Case::new(date, device, shape, scheme, m, touched, ops);
+                let floor = ceilings.floor_ms(case.bytes as f64, case.flops, fp8);
                 let start = rows.len();
                 let mut outputs: Vec<(KernelFamily, Vec<f32>)> = Vec::new();
                 for layer in &layers {
@@ -295,28 +293,12 @@ pub(super) fn run(
                         Some((same, exact)) => (Some(rel_err(&y, same)), Some(rel_err(&y, exact))),
                         None => (None, None),
                     };
-                    rows.push(Row {
-                        date: date.to_string(),
-                        device: device.to_string(),
-                        shape: shape.name.to_string(),
-                        method: scheme.to_string(),
-                        kernel: family.to_string(),
-                        tokens: m,
-                        experts: e,
-                        hidden: k,
-                        intermediate: n,
-                        top_k: shape.top_k,
-                        experts_touched: touched,
+                    rows.push(case.row(
+                        family,
                         ms,
                         iters,
-                        gb_per_s: bytes as f64 / (ms * 1e-3) / 1e9,
-                        gflop_per_s: flops / (ms * 1e-3) / 1e9,
-                        bytes,
-                        flops,
-                        rel_err: rel,
-                        quant_err: quant,
-                        speedup_vs_portable: None,
-                        cuda: Some(CudaFields {
+                        (rel, quant),
+                        Some(CudaFields {
                             gpu: backend.name().to_string(),
                             floor_ms: floor,
                             x_floor: floor.map(|f| ms / f),
@@ -328,7 +310,7 @@ pub(super) fn run(
                             ceilings: ceilings.source.clone(),
                             fused_vs_portable: None,
                         }),
-                    });
+                    ));
                     outputs.push((family, y));
                     bar.inc(1);
                 }
