@@ -182,14 +182,11 @@ impl GemmConfig {
         if !self.split_k {
             return 1;
         }
-        let bm = self.bm;
-        let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
-        let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
-        let cap = match (kd / self.bk) / 8 {
-            0 => 1,
-            c => c,
-        };
-        want.min(cap).max(1)
+        // At most one split per 8 reduction tiles.
+        let max_splits = ((kd / self.bk) / 8).max(1);
+        split_k(
+            num_routes, experts, slots, self.bm, n_tiles, max_splits, sms,
+        )
     }
 }
 
@@ -384,6 +381,70 @@ struct Gemm<'a> {
     experts: usize,
 }
 
+/// Split-K factor of a grouped GEMM2 (the harness's `splits_for`): enough splits for about four
+/// blocks per SM, at most `max_splits`. The busy M tiles are bounded both by the routes' slots and
+/// by ceil(routes / bm) plus one partial tile per expert that has routes.
+pub(super) fn split_k(
+    num_routes: usize,
+    experts: usize,
+    slots: usize,
+    bm: usize,
+    n_tiles: usize,
+    max_splits: usize,
+    sms: usize,
+) -> usize {
+    let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
+    let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
+    want.min(max_splits).max(1)
+}
+
+/// The launch grid of a grouped GEMM over aligned routes and its u32 scalar arguments, with the
+/// errors naming what does not fit.
+pub(super) struct GemmGrid {
+    pub(super) grid: (u32, u32, u32),
+    pub(super) num_routes: u32,
+    pub(super) top_k: u32,
+    pub(super) kd: u32,
+    pub(super) n_out: u32,
+}
+
+/// `blocks_m` M tiles of `bm` routes, `n_tiles` N tiles, `splits` K splits.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_grid(
+    op: &'static str,
+    num_routes: usize,
+    top_k: usize,
+    kd: usize,
+    n_out: usize,
+    bm: usize,
+    blocks_m: usize,
+    n_tiles: usize,
+    splits: usize,
+) -> Result<GemmGrid> {
+    let grid_y = u32::try_from(blocks_m)
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "{num_routes} routes need {blocks_m} M tiles of {bm}; one launch takes at most 65535"
+                ),
+            )
+        })?;
+    Ok(GemmGrid {
+        grid: (
+            u32_arg(op, "N tiles", n_tiles)?,
+            grid_y,
+            u32_arg(op, "split-K", splits)?,
+        ),
+        num_routes: u32_arg(op, "number of routes", num_routes)?,
+        top_k: u32_arg(op, "top_k", top_k)?,
+        kd: u32_arg(op, "reduction length", kd)?,
+        n_out: u32_arg(op, "output columns", n_out)?,
+    })
+}
+
 /// MODE 1 writes `out` = h bf16 [num_routes, n_out]; MODE 2 adds into `out` = y32 f32
 /// [num_routes / top_k, n_out], which the caller zeroed (MODE 2 may split the reduction: each
 /// split adds its partial sum).
@@ -405,18 +466,6 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
             ),
         ));
     }
-    let grid_y = u32::try_from(blocks_m)
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or_else(|| {
-            Error::invalid(
-                op,
-                format!(
-                    "{} routes need {blocks_m} M tiles of {}; one launch takes at most 65535",
-                    g.num_routes, cfg.bm
-                ),
-            )
-        })?;
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
     let splits = if g.mode == 2 {
         cfg.splits(
@@ -430,12 +479,23 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     } else {
         1
     };
-    let grid_x = u32_arg(op, "N tiles", n_tiles)?;
-    let grid_z = u32_arg(op, "split-K", splits)?;
-    let num_routes = u32_arg(op, "number of routes", g.num_routes)?;
-    let top_k = u32_arg(op, "top_k", g.top_k)?;
-    let kd = u32_arg(op, "reduction length", g.kd)?;
-    let n_out = u32_arg(op, "output columns", g.n_out)?;
+    let GemmGrid {
+        grid,
+        num_routes,
+        top_k,
+        kd,
+        n_out,
+    } = gemm_grid(
+        op,
+        g.num_routes,
+        g.top_k,
+        g.kd,
+        g.n_out,
+        cfg.bm,
+        blocks_m,
+        n_tiles,
+        splits,
+    )?;
     let (family, source) = cfg.source();
     let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
@@ -447,7 +507,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         .map_err(|e| cuda_error("moe_gemm_bf16: shared memory opt-in", e))?;
     }
     let launch = LaunchConfig {
-        grid_dim: (grid_x, grid_y, grid_z),
+        grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),
         shared_mem_bytes: smem,
     };
@@ -475,7 +535,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // num_routes (MODE 2) or num_routes / top_k (MODE 1) rows; `w` is bf16 [E, 2·n_out or n_out,
     // kd]; kd is a multiple of 8 and every buffer starts 256-byte aligned (16-byte loads); the
     // routes come from moe_align with BLOCK_M = cfg.bm over these num_routes routes and E
-    // experts, so sorted holds grid_y · bm slots, block ids are < E for blocks before *total, and
+    // experts, so sorted holds grid.1 · bm slots, block ids are < E for blocks before *total, and
     // route ids are < num_routes or the pad; MODE 1's h and MODE 2's topk_weights/y32 have the
     // sizes the kernel indexes (y32 zeroed, as split-K adds into it); the unused pointer of each
     // mode is null and never dereferenced; MODE 1 runs with gridDim.z = 1; the dynamic shared
@@ -754,6 +814,20 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
         assert_eq!(GemmConfig::select((10, 0), 1 << 20, 8), MMA); // sm_90a code does not run there
+    }
+
+    #[test]
+    fn split_k_fills_the_gpu_within_its_cap() {
+        // Decode: 2 routes over 8 experts, 32 N tiles: at most ceil(2/64) + min(8, 2) = 3 busy M
+        // tiles → 96 blocks; 132 SMs want ceil(528 / 96) = 6 splits, capped by the reduction.
+        assert_eq!(split_k(2, 8, 8 * 64, 64, 32, 100, 132), 6);
+        assert_eq!(split_k(2, 8, 8 * 64, 64, 32, 4, 132), 4);
+        // A grid that already holds four blocks per SM is not split.
+        assert_eq!(split_k(65_536, 8, 65_536 + 8 * 64, 64, 32, 100, 132), 1);
+        // The bf16 cap is one split per 8 reduction tiles, at least one.
+        let cfg = SM90_SMALL;
+        assert_eq!(cfg.splits(2, 8, 8 * 64, 32, 14_336, 132), 6); // cap (14336 / 64) / 8 = 28
+        assert_eq!(cfg.splits(2, 8, 8 * 64, 32, 64, 132), 1);
     }
 
     #[test]

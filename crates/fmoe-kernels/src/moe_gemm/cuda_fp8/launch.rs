@@ -8,9 +8,9 @@ use fmoe_core::{Device, Storage, Tensor};
 
 use super::support::{check_arch, pair_scheme};
 use super::{Fp8GemmConfig, Fp8Scheme};
-use crate::launch::{cuda_storage, u32_arg};
+use crate::launch::cuda_storage;
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::cuda::DEFAULT_SMEM_LIMIT;
+use crate::moe_gemm::cuda::{DEFAULT_SMEM_LIMIT, GemmGrid, gemm_grid};
 use crate::moe_gemm::{ActOperand, WeightOperand};
 use crate::nvrtc;
 use crate::{Error, Result};
@@ -162,18 +162,6 @@ pub(super) fn launch(
             ),
         ));
     }
-    let grid_y = u32::try_from(blocks_m)
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or_else(|| {
-            Error::invalid(
-                op,
-                format!(
-                    "{} routes need {blocks_m} M tiles of {}; one launch takes at most 65535",
-                    g.num_routes, cfg.bm
-                ),
-            )
-        })?;
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
     let splits = if g.mode == 2 {
         cfg.splits(
@@ -187,12 +175,23 @@ pub(super) fn launch(
     } else {
         1
     };
-    let grid_x = u32_arg(op, "N tiles", n_tiles)?;
-    let grid_z = u32_arg(op, "split-K", splits)?;
-    let num_routes = u32_arg(op, "number of routes", g.num_routes)?;
-    let top_k = u32_arg(op, "top_k", g.top_k)?;
-    let kd = u32_arg(op, "reduction length", g.kd)?;
-    let n_out = u32_arg(op, "output columns", g.n_out)?;
+    let GemmGrid {
+        grid,
+        num_routes,
+        top_k,
+        kd,
+        n_out,
+    } = gemm_grid(
+        op,
+        g.num_routes,
+        g.top_k,
+        g.kd,
+        g.n_out,
+        cfg.bm,
+        blocks_m,
+        n_tiles,
+        splits,
+    )?;
     let (family, source, entry) = cfg.source();
     let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
@@ -204,7 +203,7 @@ pub(super) fn launch(
         .map_err(|e| cuda_error("moe_gemm fp8: shared memory opt-in", e))?;
     }
     let launch = LaunchConfig {
-        grid_dim: (grid_x, grid_y, grid_z),
+        grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),
         shared_mem_bytes: smem,
     };
@@ -296,7 +295,7 @@ pub(super) fn launch(
     // [E, ceil(rows/128), ceil(kd/128)]; kd and (MODE 1) n_out are multiples of 16 and every buffer
     // is a 256-byte aligned allocation (16-byte cp.async rows, paired and vector stores); the routes
     // come from moe_align with BLOCK_M = cfg.bm over these num_routes routes and E experts, so
-    // sorted holds grid_y · bm slots, block ids are < E before *total and route ids < num_routes
+    // sorted holds grid.1 · bm slots, block ids are < E before *total and route ids < num_routes
     // or the pad; MODE 1's outputs hold num_routes rows (h bf16, or codes and group scales) and
     // its `word` is a live u32 (zeroed amax, or the error flag); MODE 2's topk_weights hold
     // num_routes f32 and y32 (num_routes / top_k)·n_out f32, zeroed since split-K and the top-k

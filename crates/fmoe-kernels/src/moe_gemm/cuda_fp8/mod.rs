@@ -219,10 +219,11 @@ impl Fp8GemmConfig {
         kd: usize,
         sms: usize,
     ) -> usize {
-        let bm = self.bm;
-        let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
-        let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
-        want.min(((kd / 128) / 4).max(1)).max(1)
+        // Each split at least 4 K tiles of 128.
+        let max_splits = ((kd / 128) / 4).max(1);
+        super::cuda::split_k(
+            num_routes, experts, slots, self.bm, n_tiles, max_splits, sms,
+        )
     }
 }
 
