@@ -35,7 +35,7 @@ impl CpuStorage {
         }
     }
 
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             CpuStorage::F32(v) => v.len(),
             CpuStorage::BF16(v) => v.len(),
@@ -45,7 +45,12 @@ impl CpuStorage {
         }
     }
 
-    fn to_f32_vec(&self) -> Vec<f32> {
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every element as f32 (exact for every dtype but u32 above 2^24).
+    pub fn to_f32_vec(&self) -> Vec<f32> {
         fn conv<T: WithDType>(v: &[T]) -> Vec<f32> {
             v.iter().map(|x| x.to_f32()).collect()
         }

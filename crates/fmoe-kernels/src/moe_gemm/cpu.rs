@@ -9,7 +9,6 @@ use super::operand::{ActOperand, QBLOCK, WeightOperand};
 use super::simd;
 use crate::Result;
 use crate::moe_align::AlignedRoutes;
-use crate::quant_fp8::cpu::fp8_to_f32_lut;
 
 const OP1: &str = "moe_gemm::gemm1_silu_mul";
 const OP2: &str = "moe_gemm::gemm2_weighted_sum";
@@ -45,7 +44,7 @@ impl ActRows {
     pub fn from_operand(a: &ActOperand, op: &'static str) -> Result<ActRows> {
         let data = a.data();
         let cols = data.dims()[1];
-        let values = to_f32(data.cpu_storage(op, "activations")?);
+        let values = data.cpu_storage(op, "activations")?.to_f32_vec();
         let scale = match a {
             ActOperand::Plain(_) => ActScale::One,
             ActOperand::Fp8PerTensor { scale, .. } => {
@@ -89,23 +88,6 @@ impl ActRows {
     }
 }
 
-/// Element-wise conversion of host storage to f32 (fp8 through an exact table).
-pub(super) fn to_f32(s: &CpuStorage) -> Vec<f32> {
-    let mut out = vec![0.0; storage_len(s)];
-    convert_into(s, 0, &mut out);
-    out
-}
-
-fn storage_len(s: &CpuStorage) -> usize {
-    match s {
-        CpuStorage::F32(v) => v.len(),
-        CpuStorage::BF16(v) => v.len(),
-        CpuStorage::F16(v) => v.len(),
-        CpuStorage::F8E4M3(v) => v.len(),
-        CpuStorage::U32(v) => v.len(),
-    }
-}
-
 /// Converts `dst.len()` elements of `s` starting at `start` into `dst`.
 pub(super) fn convert_into(s: &CpuStorage, start: usize, dst: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
@@ -115,7 +97,7 @@ pub(super) fn convert_into(s: &CpuStorage, start: usize, dst: &mut [f32]) {
         CpuStorage::BF16(v) => v[start..end].convert_to_f32_slice(dst),
         CpuStorage::F16(v) => v[start..end].convert_to_f32_slice(dst),
         CpuStorage::F8E4M3(v) => {
-            let lut = fp8_to_f32_lut();
+            let lut = &fmoe_core::FP8_E4M3_TO_F32;
             for (d, q) in dst.iter_mut().zip(&v[start..end]) {
                 *d = lut[q.to_bits() as usize];
             }

@@ -9,17 +9,6 @@ use fmoe_core::F8E4M3;
 
 use super::scale_from_amax;
 
-/// Every e4m3fn code decoded to f32 (exact: 4 significant bits fit any float). NaN codes give NaN.
-pub fn fp8_to_f32_lut() -> &'static [f32; 256] {
-    &fmoe_core::FP8_E4M3_TO_F32
-}
-
-/// Decodes one code through the table.
-#[inline(always)]
-pub fn fp8_to_f32(q: F8E4M3) -> f32 {
-    fp8_to_f32_lut()[usize::from(q.to_bits())]
-}
-
 /// f32 -> e4m3fn: round to nearest even, ±Inf and overflow saturate to ±448, NaN stays NaN.
 /// float8's conversion has exactly these semantics (checked code by code and at every rounding
 /// boundary in the tests); this wrapper is the one place to swap it out.
@@ -60,7 +49,7 @@ pub fn dequantize_slice(q: &[F8E4M3], scale: f32, out: &mut [f32]) {
         out.len(),
         "dequantize_slice: input and output lengths differ"
     );
-    let lut = fp8_to_f32_lut();
+    let lut = &fmoe_core::FP8_E4M3_TO_F32;
     for (o, &c) in out.iter_mut().zip(q) {
         *o = lut[usize::from(c.to_bits())] * scale;
     }
@@ -286,7 +275,7 @@ mod tests {
 
     #[test]
     fn lut_matches_bit_field_decode() {
-        let lut = fp8_to_f32_lut();
+        let lut = &fmoe_core::FP8_E4M3_TO_F32;
         for b in 0..=255u8 {
             let (got, want) = (lut[usize::from(b)], decode(b));
             if want.is_nan() {
