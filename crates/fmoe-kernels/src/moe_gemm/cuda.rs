@@ -12,10 +12,11 @@
 //!   sum. Every intermediate round-trips through device memory and each step is a launch: what
 //!   the fused epilogues save, measured with the same tiles. No host synchronization on either.
 //!
-//! Launch geometry lives in one place, [`GEMM`] (kernel variant, tiles, stages, split-K; change it
-//! together with the `.cu` sources), and the named constants derived from it. Contract (checked, with the dimension named): the reduction length (K for
-//! GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads 16-byte chunks of
-//! bf16; routes come from `moe_align` with `block_m` = [`BM`].
+//! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SMALL`], [`SM90_LARGE`] (kernel,
+//! tiles, stages, split-K; change them together with the `.cu` sources) and the rule that picks one
+//! per batch, [`GemmConfig::select`]. Contract (checked, with the dimension named): the reduction
+//! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
+//! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
 use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -31,7 +32,7 @@ use crate::{Error, Result};
 
 /// Which grouped GEMM kernel runs, and its compile-time tunables: the one place that decides the
 /// launch geometry (tile sizes, threads, shared memory, split-K), mirroring the bring-up harness
-/// `bench/gpu/moe_bf16_cupy.py`. Change [`GEMM`] (with the `.cu` sources) to switch variants.
+/// `bench/gpu/moe_bf16_cupy.py`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GemmConfig {
     pub kind: GemmKind,
@@ -91,9 +92,6 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200 sweep, BENCHMARKS.md): at 128
 /// a 128-row tile is full on average, and below it the smaller grid of large tiles loses.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 128;
-
-/// The default variant for tests and code that does not know the device (the portable choice).
-pub const GEMM: GemmConfig = MMA;
 
 impl GemmConfig {
     /// The variant for a batch of `num_routes` routes over `experts` experts on a device of
@@ -190,14 +188,9 @@ impl GemmConfig {
     }
 }
 
-/// Rows (routes) per GEMM block: the M tile, and the `block_m` of `moe_align` on CUDA.
-pub const BM: usize = GEMM.bm;
-/// GEMM1 (MODE 1): h columns per block.
-pub const GEMM1_BN: usize = GEMM.n_tile(1);
-/// GEMM2 (MODE 2): output columns per block.
-pub const GEMM2_BN: usize = GEMM.n_tile(2);
-/// Threads per GEMM block.
-pub const NTHREADS: u32 = GEMM.threads();
+/// The M tile every device's grouped GEMMs accept ([`MMA`] and [`SM90_SMALL`] both use it): the
+/// `block_m` of the portable path, and of callers that align routes without choosing a variant.
+pub const BM: usize = MMA.bm;
 /// The reduction length must be a multiple of this (16-byte loads of bf16).
 pub const K_MULTIPLE: usize = 8;
 /// Threads per block of the portable path's glue kernels.
@@ -796,7 +789,8 @@ mod tests {
             ..mma
         };
         assert_eq!(off.splits(2, 8, 128, 32, 14336, 132), 1);
-        assert_eq!(BM, GEMM.bm);
+        assert_eq!(BM, MMA.bm);
+        assert_eq!(BM, SM90_SMALL.bm);
     }
 }
 
