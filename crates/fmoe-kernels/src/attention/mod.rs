@@ -109,7 +109,8 @@ fn check(
 }
 
 fn check_params(p: &AttentionParams) -> Result<()> {
-    if p.num_heads == 0 || p.num_kv_heads == 0 || p.num_heads % p.num_kv_heads != 0 {
+    // checked_rem covers num_kv_heads = 0 (and avoids `is_multiple_of`, newer than our MSRV).
+    if p.num_heads == 0 || p.num_heads.checked_rem(p.num_kv_heads) != Some(0) {
         return Err(Error::invalid(
             OP,
             format!(
