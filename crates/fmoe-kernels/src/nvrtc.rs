@@ -67,6 +67,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "common/atomics.cuh",
         include_str!("../cuda/common/atomics.cuh"),
     ),
+    (
+        "common/flash_attention.cuh",
+        include_str!("../cuda/common/flash_attention.cuh"),
+    ),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     (
         "common/k_split.cuh",
