@@ -178,6 +178,7 @@ fn catalog_covers_every_source_and_gemm_config() {
     let families: BTreeSet<&str> = variants.iter().map(|v| v.family).collect();
     let expected = [
         "elementwise",
+        "grouped_topk",
         "moe_align",
         "moe_gemm_bf16",
         "moe_gemm_bf16_sm90",
