@@ -1,7 +1,7 @@
 //! The MoE layer's CUDA forward captured as a CUDA graph (`fmoe_core::cuda::capture_graph`):
 //! replays give the eager output bit for bit, for every method and kernel family, with and
-//! without a shared expert; a forward that cannot be captured is a clear error after which the
-//! stream works as before.
+//! without a shared expert; a forward that cannot be captured (a host copy or a synchronization
+//! inside) is a clear error after which the stream works as before.
 //!
 //! Bit-for-bit needs a deterministic eager path: the fused GEMM2 adds the top-k experts' outputs
 //! and split-K partial sums into y with atomics, in no fixed order. With top-2 routing and a
@@ -222,10 +222,19 @@ fn an_uncapturable_forward_is_an_error_and_the_stream_recovers() {
     let x = randn(&mut rng, &[5, K], 1.0);
     let logits = randn(&mut rng, &[5, E], 1.0);
     let before = layer.forward(&x, &logits).unwrap();
-    // forward() routes with topk_softmax, which downloads its NaN flag: a synchronization.
+    // forward() routes with topk_softmax, which downloads its NaN flag. Under capture the driver
+    // would record that copy and return at once, leaving the flag unread (garbage): refused.
     let err = capture_graph(&backend, || layer.forward(&x, &logits)).unwrap_err();
     let msg = err.to_string();
     println!("capturing forward(): {msg}");
+    assert!(
+        msg.contains("CudaStorage::to_cpu") && msg.contains("capturing a CUDA graph"),
+        "{msg}"
+    );
+    // A bare synchronization inside capture fails in the driver, and is reported as such.
+    let err = capture_graph(&backend, || backend.synchronize()).unwrap_err();
+    let msg = err.to_string();
+    println!("capturing synchronize(): {msg}");
     assert!(msg.contains("CAPTURE"), "{msg}");
     let after = layer.forward(&x, &logits).unwrap();
     assert_eq!(bits(&after), bits(&before));
