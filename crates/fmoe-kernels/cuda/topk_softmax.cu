@@ -16,12 +16,12 @@
 //
 // Compile-time constants (-D, generated from named fields in routing/cuda.rs):
 //   FMOE_LOGITS_DTYPE  0 = f32, 1 = bf16, 2 = f16: the logits' storage type (converted to f32
-//                      exactly on load; no header needed)
+//                      exactly on load, common/routing.cuh)
 //   EXPERTS_PER_LANE   ceil(E / 32) rounded up to a power of two, <= 32 (E <= 1024)
 //   WARPS_PER_BLOCK    rows per block
 // Dynamic shared memory: WARPS_PER_BLOCK * (E + 2 * top_k) * 4 bytes.
 //
-// NVRTC: no libstdc++, no headers; only built-in device functions.
+// NVRTC: no libstdc++; only built-in device functions and common/routing.cuh.
 
 #if !defined(FMOE_LOGITS_DTYPE) || !defined(EXPERTS_PER_LANE) || !defined(WARPS_PER_BLOCK)
 #error "FMOE_LOGITS_DTYPE, EXPERTS_PER_LANE and WARPS_PER_BLOCK must be defined"
@@ -30,38 +30,7 @@
 #error "EXPERTS_PER_LANE must be in 1..=32 (a lane's 'taken' mask is 32 bits)"
 #endif
 
-#if FMOE_LOGITS_DTYPE == 0
-typedef float logit_t;
-__device__ __forceinline__ float load_logit(const logit_t* p) { return *p; }
-#elif FMOE_LOGITS_DTYPE == 1
-typedef unsigned short logit_t;
-// bf16 is the top half of an f32.
-__device__ __forceinline__ float load_logit(const logit_t* p) {
-    return __uint_as_float(((unsigned int)*p) << 16);
-}
-#elif FMOE_LOGITS_DTYPE == 2
-typedef unsigned short logit_t;
-__device__ __forceinline__ float load_logit(const logit_t* p) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(*p));
-    return f;
-}
-#else
-#error "FMOE_LOGITS_DTYPE must be 0 (f32), 1 (bf16) or 2 (f16)"
-#endif
-
-#define FULL_MASK 0xffffffffu
-
-__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
-
-__device__ __forceinline__ bool is_finite(float x) {
-    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
-}
-
-// The selection order: a ranks before b.
-__device__ __forceinline__ bool ranks_before(float av, unsigned int ai, float bv, unsigned int bi) {
-    return av > bv || (av == bv && ai < bi);
-}
+#include "common/routing.cuh"
 
 extern "C" __global__ void __launch_bounds__(WARPS_PER_BLOCK * 32)
 fmoe_topk_softmax(const logit_t* __restrict__ logits,  // [rows, experts]
@@ -117,15 +86,7 @@ fmoe_topk_softmax(const logit_t* __restrict__ logits,  // [rows, experts]
                 bi = e;
             }
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(FULL_MASK, bv, off);
-            const unsigned int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            if (ranks_before(ov, oi, bv, bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_arg_best(bv, bi);
         // top_k <= E guarantees a real winner; the bound check only guards the shift.
         if (bi < experts && (bi & 31u) == lane) taken |= 1u << (bi >> 5);
         if (lane == 0) {

@@ -89,6 +89,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "common/sm90_wgmma.cuh",
         include_str!("../cuda/common/sm90_wgmma.cuh"),
     ),
+    (
+        "common/routing.cuh",
+        include_str!("../cuda/common/routing.cuh"),
+    ),
 ];
 
 /// One kernel instantiation to compile and load.

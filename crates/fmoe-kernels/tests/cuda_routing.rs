@@ -1,4 +1,4 @@
-//! `topk_softmax` on CUDA against its CPU twin, and the NVRTC cache.
+//! `topk_softmax` and `grouped_topk` on CUDA against their CPU twins, and the NVRTC cache.
 //!
 //! Without a CUDA device every GPU test prints "skipping: <reason>" and passes, unless
 //! `FMOE_REQUIRE_CUDA=1` (GPU CI), which turns a skip into a failure.
@@ -183,7 +183,7 @@ fn non_finite_logits_give_the_cpu_twins_error() {
 }
 
 #[test]
-fn cuda_tensors_refuse_host_access_and_grouped_topk() {
+fn cuda_tensors_refuse_host_access() {
     let Some(_backend) = backend_or_skip() else {
         return;
     };
@@ -195,20 +195,217 @@ fn cuda_tensors_refuse_host_access_and_grouped_topk() {
         msg.contains("some_op") && msg.contains("`x`") && msg.contains("cuda:0"),
         "{msg}"
     );
+}
 
-    let bias = Tensor::zeros([2], DType::F32, &CUDA).unwrap();
-    let p = GroupedTopKParams {
-        top_k: 1,
-        n_group: 1,
-        topk_group: 1,
-        renormalize: true,
-        routed_scaling_factor: 1.0,
-    };
-    let err = grouped_topk(&t, &bias, &p).unwrap_err().to_string();
+/// `[E]` biases: continuous, on a coarse grid (exact ties between experts whose logits tie), or
+/// zero.
+fn bias(rng: &mut ChaCha8Rng, e: usize, kind: usize) -> Vec<f32> {
+    let normal = Normal::new(0.0f32, 0.3).unwrap();
+    (0..e)
+        .map(|_| match kind {
+            0 => normal.sample(rng),
+            1 => (normal.sample(rng) * 4.0).round() / 4.0,
+            _ => 0.0,
+        })
+        .collect()
+}
+
+/// Runs `grouped_topk` on the CPU and on the GPU (logits as `dtype`) and checks that the ids are
+/// identical and the weights within 1e-6 relative.
+fn check_grouped(data: &[f32], b: &[f32], m: usize, dtype: DType, p: &GroupedTopKParams) {
+    let e = b.len();
+    let what = format!("M={m} E={e} {dtype} {p:?}");
+    let cpu_logits = Tensor::from_f32(data, [m, e], dtype, &Device::Cpu).unwrap();
+    let cpu_bias = Tensor::from_vec(b.to_vec(), [e], &Device::Cpu).unwrap();
+    let want = grouped_topk(&cpu_logits, &cpu_bias, p).unwrap();
+    let got = grouped_topk(
+        &cpu_logits.to_device(CUDA).unwrap(),
+        &cpu_bias.to_device(CUDA).unwrap(),
+        p,
+    )
+    .unwrap();
+    let k = p.top_k;
+    assert_eq!(got.weights.device(), CUDA, "{what}");
+    assert_eq!(got.ids.device(), CUDA, "{what}");
+    assert_eq!(got.weights.dims(), &[m, k], "{what}");
+    assert_eq!(got.ids.dims(), &[m, k], "{what}");
+    assert_eq!(got.weights.dtype(), DType::F32, "{what}");
+    assert_eq!(got.ids.dtype(), DType::U32, "{what}");
+    let (gw, gi) = host(&got);
+    let (cw, ci) = host(&want);
     assert!(
-        err.contains("grouped_topk") && err.contains("cuda:0"),
-        "{err}"
+        gi.iter().all(|&i| (i as usize) < e),
+        "{what}: unwritten or bad id"
     );
+    assert!(gw.iter().all(|w| w.is_finite()), "{what}: unwritten weight");
+    if let Some(j) = gi.iter().zip(&ci).position(|(g, c)| g != c) {
+        let row = j / k;
+        panic!(
+            "{what}: ids differ first in row {row}: gpu {:?} cpu {:?}",
+            &gi[row * k..row * k + k],
+            &ci[row * k..row * k + k]
+        );
+    }
+    // Same selection, same f32 steps; only exp may differ (see grouped_topk.cu), by an ulp where
+    // the host's expf misrounds: 1e-6 is ~8 ulp of room.
+    for (j, (&g, &c)) in gw.iter().zip(&cw).enumerate() {
+        let tol = 1e-6 * c.abs().max(f32::MIN_POSITIVE);
+        assert!(
+            (g - c).abs() <= tol,
+            "{what}: weight {j} (row {}): gpu {g:e} cpu {c:e}",
+            j / k
+        );
+    }
+}
+
+fn params(top_k: usize, n_group: usize, topk_group: usize, renormalize: bool) -> GroupedTopKParams {
+    GroupedTopKParams {
+        top_k,
+        n_group,
+        topk_group,
+        renormalize,
+        routed_scaling_factor: 2.5,
+    }
+}
+
+#[test]
+fn grouped_topk_matches_the_cpu_twin_on_deepseek_v3() {
+    let Some(_backend) = backend_or_skip() else {
+        return;
+    };
+    // Every output element the kernel leaves unwritten would read as NaN / u32::MAX.
+    set_poison_allocations(true);
+    let e = 256;
+    let mut rng = ChaCha8Rng::seed_from_u64(0xdee9_5eed);
+    for m in [0, 1, 7, 1000, 16384] {
+        let data = logits(&mut rng, m, e);
+        for (kind, dtype) in [(0, DType::BF16), (1, DType::F32), (2, DType::F16)] {
+            let b = bias(&mut rng, e, kind);
+            for renormalize in [true, false] {
+                check_grouped(&data, &b, m, dtype, &params(8, 8, 4, renormalize));
+            }
+        }
+    }
+    set_poison_allocations(false);
+}
+
+#[test]
+fn grouped_topk_matches_the_cpu_twin_on_odd_configs() {
+    let Some(_backend) = backend_or_skip() else {
+        return;
+    };
+    set_poison_allocations(true);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x0dd_c0f9);
+    // (E, n_group, topk_group, k): E not a power of two, one expert per group, one group, every
+    // expert, k past a warp's 32 lanes, the largest E.
+    let configs = [
+        (160, 8, 3, 6),
+        (96, 3, 2, 8),
+        (60, 60, 10, 4),
+        (64, 1, 1, 8),
+        (7, 7, 7, 7),
+        (24, 4, 1, 6),
+        (256, 8, 8, 40),
+        (1024, 32, 4, 16),
+        (1, 1, 1, 1),
+    ];
+    for (e, n_group, topk_group, k) in configs {
+        for m in [1, 5, 333] {
+            let data = logits(&mut rng, m, e);
+            for kind in 0..3 {
+                let b = bias(&mut rng, e, kind);
+                check_grouped(
+                    &data,
+                    &b,
+                    m,
+                    DType::BF16,
+                    &params(k, n_group, topk_group, kind != 1),
+                );
+            }
+        }
+    }
+    // Saturated rows: every score 1 (all tied but for the bias) or 0 (the renormalization guard).
+    for x in [200.0f32, -200.0, 0.0] {
+        let (m, e) = (3, 256);
+        let data = vec![x; m * e];
+        for kind in 1..3 {
+            let b = bias(&mut rng, e, kind);
+            for renormalize in [true, false] {
+                check_grouped(&data, &b, m, DType::F32, &params(8, 8, 4, renormalize));
+            }
+        }
+    }
+    set_poison_allocations(false);
+}
+
+#[test]
+fn grouped_topk_non_finite_gives_the_cpu_twins_error() {
+    let Some(_backend) = backend_or_skip() else {
+        return;
+    };
+    let (m, e) = (9, 16);
+    let p = params(2, 4, 2, true);
+    let clean = vec![0.5f32; m * e];
+    let mut bad_logits = clean.clone();
+    bad_logits[7 * e + 2] = f32::INFINITY;
+    bad_logits[3 * e + 5] = f32::NAN;
+    bad_logits[3 * e + 9] = f32::NEG_INFINITY;
+    let clean_bias = vec![0.1f32; e];
+    let mut bad_bias = clean_bias.clone();
+    bad_bias[11] = f32::NEG_INFINITY;
+    bad_bias[13] = f32::NAN;
+    // (logits, bias, rows, expected tensor, index): a bad logit wins over a bad bias, as on the
+    // CPU; with no rows the bias is still checked.
+    let cases = [
+        (&bad_logits, &clean_bias, m, "router_logits", 53), // 3 * 16 + 5
+        (&bad_logits, &bad_bias, m, "router_logits", 53),
+        (&clean, &bad_bias, m, "e_score_correction_bias", 11),
+        (&clean, &bad_bias, 0, "e_score_correction_bias", 11),
+    ];
+    for (data, b, rows, tensor, index) in cases {
+        for dtype in [DType::F32, DType::BF16] {
+            let cpu_logits =
+                Tensor::from_f32(&data[..rows * e], [rows, e], dtype, &Device::Cpu).unwrap();
+            let cpu_bias = Tensor::from_vec(b.clone(), [e], &Device::Cpu).unwrap();
+            let want = grouped_topk(&cpu_logits, &cpu_bias, &p).unwrap_err();
+            let got = grouped_topk(
+                &cpu_logits.to_device(CUDA).unwrap(),
+                &cpu_bias.to_device(CUDA).unwrap(),
+                &p,
+            )
+            .unwrap_err();
+            match &got {
+                Error::Core(CoreError::NonFinite {
+                    tensor: t,
+                    index: i,
+                    ..
+                }) => assert_eq!((t.as_str(), *i), (tensor, index), "{got}"),
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(got.to_string(), want.to_string());
+        }
+    }
+}
+
+#[test]
+fn routing_past_the_kernels_expert_limit_is_unsupported() {
+    let Some(_backend) = backend_or_skip() else {
+        return;
+    };
+    let e = 1025;
+    let logits = Tensor::zeros([2, e], DType::F32, &CUDA).unwrap();
+    let b = Tensor::zeros([e], DType::F32, &CUDA).unwrap();
+    let errs = [
+        topk_softmax(&logits, 2, true).unwrap_err(),
+        grouped_topk(&logits, &b, &params(2, 5, 1, true)).unwrap_err(),
+    ];
+    for err in errs {
+        assert!(
+            matches!(err, Error::Core(CoreError::Unsupported { .. })),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("at most 1024 experts"), "{err}");
+    }
 }
 
 /// A small kernel for the cache test; `SCALE` makes each define set a distinct cache entry.

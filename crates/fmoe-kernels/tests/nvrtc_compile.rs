@@ -180,6 +180,7 @@ fn catalog_covers_every_source_and_gemm_config() {
         "attention_decode",
         "attention_prefill",
         "elementwise",
+        "grouped_topk",
         "moe_align",
         "moe_gemm_bf16",
         "moe_gemm_bf16_sm90",

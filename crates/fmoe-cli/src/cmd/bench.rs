@@ -71,6 +71,11 @@ pub struct MoeArgs {
     /// device call) instead of measuring them.
     #[arg(long)]
     pub(super) ceilings_json: Option<PathBuf>,
+    /// CUDA: how a forward is timed. auto: replays of a CUDA graph of the layer for M <= 256,
+    /// eager launches above; eager: eager launches only; graph: graph replays at every M; both:
+    /// auto's graph rows plus eager rows at the same M, side by side.
+    #[arg(long, value_enum, default_value_t = super::bench_cuda::Timing::Auto)]
+    pub(super) timing: super::bench_cuda::Timing,
 }
 
 fn parse_family(s: &str) -> Result<KernelFamily, String> {
@@ -161,6 +166,16 @@ pub(super) struct Row {
 #[derive(Serialize)]
 pub(super) struct CudaFields {
     pub(super) gpu: String,
+    /// "graph" (median of CUDA-graph replays of the layer) or "eager" (median of eager forwards).
+    pub(super) timing: &'static str,
+    /// Graph rows: relative 2-norm difference of the replayed output from the eager output
+    /// (0 when bit-identical).
+    pub(super) graph_vs_eager: Option<f64>,
+    /// Graph rows: whether the replayed output is bit-identical to the eager output.
+    pub(super) graph_bitwise: Option<bool>,
+    /// Graph rows: the same between two eager runs (non-zero where the fused GEMM2's atomic
+    /// top-k and split-K sums land in a different order), the yardstick for `graph_vs_eager`.
+    pub(super) eager_vs_eager: Option<f64>,
     /// max(bytes / bw_TBps, flops / GEMM rate), ms, the rate being bf16_TFLOPs for unquantized
     /// rows and fp8_TFLOPs for fp8 rows; null without that ceiling.
     pub(super) floor_ms: Option<f64>,
@@ -457,7 +472,10 @@ fn print_table(rows: &[Row]) {
         "speedup"
     );
     if cuda {
-        print!(" {:>9} {:>7} {:>9}", "floor_ms", "xfloor", "f_vs_p");
+        print!(
+            " {:>9} {:>7} {:>9} {:>6} {:>9}",
+            "floor_ms", "xfloor", "f_vs_p", "timing", "g_vs_e"
+        );
     }
     println!();
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$e}"));
@@ -480,10 +498,12 @@ fn print_table(rows: &[Row]) {
         );
         if let Some(c) = &r.cuda {
             print!(
-                " {:>9} {:>7} {:>9}",
+                " {:>9} {:>7} {:>9} {:>6} {:>9}",
                 fixed(c.floor_ms, 3),
                 fixed(c.x_floor, 2),
-                opt(c.fused_vs_portable, 1)
+                opt(c.fused_vs_portable, 1),
+                c.timing,
+                opt(c.graph_vs_eager, 1)
             );
         }
         println!();

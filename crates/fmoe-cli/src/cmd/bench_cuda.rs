@@ -9,11 +9,20 @@
 //!   and matrix for fp8-tensor, 128×128 blocks for fp8-block) once per shape and method: the
 //!   first family's layer quantizes, the other family's layer is built from its operands (the
 //!   same codes and scales, shared memory).
-//! - Timing: per run, a CUDA event before and after `forward_routed` on the backend's stream, then
-//!   a wait; the median over the runs after two warm-up runs (the first compiles the kernels).
-//!   Runs: fused 20 (10 from M = 2048), portable 10 (5 from M = 4096). Eager launches: no CUDA
-//!   graph (the forward allocates from the stream-ordered pool, which graph capture would turn
-//!   into graph-owned allocations; not attempted yet).
+//! - Timing: per run, a CUDA event before and after the work on the backend's stream, then a
+//!   wait; the median over the runs after two warm-up runs (the first compiles the kernels).
+//!   Runs: fused 20 (10 from M = 2048), portable 10 (5 from M = 4096). The work is either eager
+//!   (`forward_routed`: the host launches each kernel, so the device idles between short ones)
+//!   or, for M ≤ [`GRAPH_MAX_TOKENS`] (`--timing auto`), one replay of a CUDA graph of that
+//!   forward (`fmoe_core::cuda::capture_graph`, captured after the eager runs; its allocations
+//!   become graph allocations). Routing stays outside both: `forward_routed` takes a TopK made
+//!   once per batch (topk_softmax reads its NaN flag back, which capture forbids). The rows say
+//!   which (`timing`); `--timing both` adds the eager rows beside the graph ones. Graph rows
+//!   compare the last replay's output with the eager one: `graph_bitwise`, `graph_vs_eager`
+//!   (relative 2-norm difference) beside `eager_vs_eager` (two eager runs). The fused GEMM2 sums
+//!   top-k and split-K partials with atomics, in no fixed order, so bit-identity holds only where
+//!   each element gets at most two terms; the bench fails if a replay is off by 1e-2 or more (one
+//!   bf16 rounding step per element is < 4e-3).
 //! - Ceilings, measured once per run before the shapes (or read from `--ceilings-json`, e.g. the
 //!   peers script's first output line of the same device call): copy bandwidth (a 4 GiB
 //!   device-to-device copy, bytes read + written), read bandwidth (the `elementwise::sum` kernel
@@ -38,7 +47,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::{Context, Result, anyhow, bail};
 use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
-use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_backend, cuda_home};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, capture_graph, cuda_backend, cuda_home};
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Storage, Tensor};
 use fmoe_kernels::elementwise;
@@ -57,6 +66,42 @@ use super::bench::{Case, CudaFields, MoeArgs, Row, Shape};
 pub(super) const DEFAULT_TOKENS: &[usize] = &[
     1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
 ];
+
+/// Largest batch timed by graph replay under `--timing auto`: up to here a layer is a few short
+/// kernels whose launch gaps are a visible share of its time (decode and small prefill
+/// batches); above, each kernel runs long enough to hide the host's next launch.
+pub(super) const GRAPH_MAX_TOKENS: usize = 256;
+
+/// `--timing`: which timings a CUDA row gets (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Timing {
+    /// Graph replay for M ≤ 256 (`GRAPH_MAX_TOKENS`), eager above.
+    Auto,
+    /// Eager forwards only.
+    Eager,
+    /// Graph replay at every M.
+    Graph,
+    /// Auto's rows, plus an eager row wherever auto replays a graph.
+    Both,
+}
+
+impl Timing {
+    fn graph_row(self, m: usize) -> bool {
+        match self {
+            Timing::Auto | Timing::Both => m <= GRAPH_MAX_TOKENS,
+            Timing::Graph => true,
+            Timing::Eager => false,
+        }
+    }
+
+    fn eager_row(self, m: usize) -> bool {
+        match self {
+            Timing::Both | Timing::Eager => true,
+            Timing::Graph => false,
+            Timing::Auto => m > GRAPH_MAX_TOKENS,
+        }
+    }
+}
 
 /// The ceilings the floor is computed from (TB/s, TFLOP/s).
 #[derive(Clone, Debug, Default)]
@@ -287,30 +332,54 @@ pub(super) fn run(
                         KernelFamily::Portable if m >= 4096 => 5,
                         KernelFamily::Portable => 10,
                     };
-                    let (ms, y) = time_layer(&backend, layer, &x, &topk, iters)?;
+                    // Eager runs always: the graph rows' reference output comes from them.
+                    let (ms, y, y_again) = time_layer(&backend, layer, &x, &topk, iters)?;
                     let y = y.to_f32_vec()?;
-                    let (rel, quant) = match &references {
-                        Some((same, exact)) => (Some(rel_err(&y, same)), Some(rel_err(&y, exact))),
+                    let errors = |y: &[f32]| match &references {
+                        Some((same, exact)) => (Some(rel_err(y, same)), Some(rel_err(y, exact))),
                         None => (None, None),
                     };
-                    rows.push(case.row(
-                        family,
-                        ms,
-                        iters,
-                        (rel, quant),
-                        Some(CudaFields {
-                            gpu: backend.name().to_string(),
-                            floor_ms: floor,
-                            x_floor: floor.map(|f| ms / f),
-                            copy_tbps: ceilings.copy_tbps,
-                            read_tbps: ceilings.read_tbps,
-                            bw_tbps: ceilings.bw_tbps,
-                            bf16_tflops: ceilings.bf16_tflops,
-                            fp8_tflops: ceilings.fp8_tflops,
-                            ceilings: ceilings.source.clone(),
-                            fused_vs_portable: None,
-                        }),
-                    ));
+                    let fields = |timing: &'static str, ms: f64| CudaFields {
+                        gpu: backend.name().to_string(),
+                        timing,
+                        graph_vs_eager: None,
+                        graph_bitwise: None,
+                        eager_vs_eager: None,
+                        floor_ms: floor,
+                        x_floor: floor.map(|f| ms / f),
+                        copy_tbps: ceilings.copy_tbps,
+                        read_tbps: ceilings.read_tbps,
+                        bw_tbps: ceilings.bw_tbps,
+                        bf16_tflops: ceilings.bf16_tflops,
+                        fp8_tflops: ceilings.fp8_tflops,
+                        ceilings: ceilings.source.clone(),
+                        fused_vs_portable: None,
+                    };
+                    let graph = if args.timing.graph_row(m) {
+                        bar.set_message(format!("{} {scheme} M={m}: {family} graph", shape.name));
+                        Some(
+                            time_graph(&backend, layer, &x, &topk, iters).with_context(|| {
+                                format!("{} {scheme} M={m} {family}: CUDA graph", shape.name)
+                            })?,
+                        )
+                    } else {
+                        None
+                    };
+                    if args.timing.eager_row(m) {
+                        let row =
+                            case.row(family, ms, iters, errors(&y), Some(fields("eager", ms)));
+                        rows.push(row);
+                    }
+                    if let Some((gms, gy)) = graph {
+                        let y_again = y_again.to_f32_vec()?;
+                        let (g_vs_e, e_vs_e, bitwise) = check_graph_output(&gy, &y, &y_again)
+                            .with_context(|| format!("{} {scheme} M={m} {family}", shape.name))?;
+                        let mut f = fields("graph", gms);
+                        f.graph_vs_eager = Some(g_vs_e);
+                        f.eager_vs_eager = Some(e_vs_e);
+                        f.graph_bitwise = Some(bitwise);
+                        rows.push(case.row(family, gms, iters, errors(&gy), Some(f)));
+                    }
                     outputs.push((family, y));
                     bar.inc(1);
                 }
@@ -320,18 +389,25 @@ pub(super) fn run(
                 {
                     let p: Vec<f64> = py.iter().map(|&v| f64::from(v)).collect();
                     let diff = rel_err(fy, &p);
-                    let portable_ms = rows[start..]
+                    // Speed-ups compare like with like: graph with graph, eager with eager.
+                    let timing = |r: &Row| r.cuda.as_ref().map(|c| c.timing);
+                    let portable: Vec<(Option<&str>, f64)> = rows[start..]
                         .iter()
-                        .find(|r| r.kernel == KernelFamily::Portable.as_str())
-                        .map(|r| r.ms);
+                        .filter(|r| r.kernel == KernelFamily::Portable.as_str())
+                        .map(|r| (timing(r), r.ms))
+                        .collect();
                     for r in rows[start..]
                         .iter_mut()
                         .filter(|r| r.kernel == KernelFamily::Fused.as_str())
                     {
+                        let t = timing(r);
+                        r.speedup_vs_portable = portable
+                            .iter()
+                            .find(|(pt, _)| *pt == t)
+                            .map(|(_, p)| p / r.ms);
                         if let Some(c) = r.cuda.as_mut() {
                             c.fused_vs_portable = Some(diff);
                         }
-                        r.speedup_vs_portable = portable_ms.map(|p| p / r.ms);
                     }
                 }
                 if let Some(f) = json.as_mut() {
@@ -346,21 +422,68 @@ pub(super) fn run(
 }
 
 /// Median CUDA-event time of `forward_routed` (routing excluded, as in the peers script) over
-/// `iters` runs after two warm-ups; also returns the first warm-up's output.
+/// `iters` runs after two warm-ups; also returns the two warm-ups' outputs.
 fn time_layer(
     backend: &Arc<CudaBackend>,
     layer: &FusedMoe,
     x: &Tensor,
     topk: &TopK,
     iters: usize,
-) -> Result<(f64, Tensor)> {
+) -> Result<(f64, Tensor, Tensor)> {
     let y = layer.forward_routed(x, topk)?;
-    drop(layer.forward_routed(x, topk)?);
+    let y_again = layer.forward_routed(x, topk)?;
     let ms = median_event_ms(backend, iters, || {
         layer.forward_routed(x, topk)?;
         Ok(())
     })?;
+    Ok((ms, y, y_again))
+}
+
+/// Median CUDA-event time of one replay of `forward_routed` captured as a CUDA graph, over
+/// `iters` replays after two warm-up replays (the capture follows [`time_layer`]'s eager runs,
+/// so kernels are compiled and loaded); also returns the last replay's output.
+fn time_graph(
+    backend: &Arc<CudaBackend>,
+    layer: &FusedMoe,
+    x: &Tensor,
+    topk: &TopK,
+    iters: usize,
+) -> Result<(f64, Vec<f32>)> {
+    let graph = capture_graph(backend, || layer.forward_routed(x, topk))?;
+    graph.replay()?;
+    graph.replay()?;
+    let ms = median_event_ms(backend, iters, || Ok(graph.replay()?))?;
+    let y = graph.output().to_f32_vec()?;
     Ok((ms, y))
+}
+
+/// Compares a graph replay's output with two eager outputs: (graph vs eager, eager vs eager) as
+/// relative 2-norm differences, and whether the replay is bit-identical to the eager output.
+/// Bit-identity cannot be demanded here: where the fused GEMM2 sums more than two terms per
+/// element with atomics (top-k > 2 or split-K), the order, and so the rounding, varies from run to
+/// run, graph or eager (two eager runs may agree by chance and a replay still differ). The replay
+/// must stay within one bf16 rounding step per element of the eager output (< 1e-2 relative);
+/// `crates/fmoe-moe/tests/cuda_graph.rs` checks bit-identity on a layer whose eager path is reproducible.
+fn check_graph_output(
+    graph: &[f32],
+    eager: &[f32],
+    eager_again: &[f32],
+) -> Result<(f64, f64, bool)> {
+    let as_f64 = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+    let g_vs_e = rel_err(graph, &as_f64(eager));
+    let e_vs_e = rel_err(eager_again, &as_f64(eager));
+    let bitwise = graph.len() == eager.len()
+        && graph
+            .iter()
+            .zip(eager)
+            .all(|(g, e)| g.to_bits() == e.to_bits());
+    if g_vs_e.is_nan() || g_vs_e >= 1e-2 {
+        bail!(
+            "the graph replay's output differs from the eager output by {g_vs_e:e} (eager runs \
+             differ by {e_vs_e:e})"
+        );
+    }
+    Ok((g_vs_e, e_vs_e, bitwise))
 }
 
 /// Median over `iters` runs of the time between CUDA events recorded on the backend's stream

@@ -24,7 +24,12 @@
 //! served from the pool, without a `cudaMalloc`-style driver allocation in the hot path. On a
 //! device without pools cudarc falls back to synchronous `cuMemAlloc`/`cuMemFree`
 //! ([`CudaBackend::has_stream_ordered_pool`] says which).
+//!
+//! # Graphs
+//! [`capture_graph`] records the work a closure issues on the stream into a CUDA graph and
+//! [`CapturedGraph::replay`] relaunches it with one call; its docs say what capture allows.
 
+mod graph;
 mod storage;
 
 use std::collections::HashMap;
@@ -34,6 +39,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 pub use cudarc;
 use cudarc::driver::{CudaContext, CudaStream, DriverError, result, sys};
+pub use graph::{CapturedGraph, capture_graph};
 pub use storage::CudaStorage;
 
 use crate::{Device, Error, Result};

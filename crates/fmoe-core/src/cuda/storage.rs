@@ -66,6 +66,7 @@ impl CudaStorage {
             CpuStorage::U32(v) => bytes_of(v),
         };
         if !src.is_empty() {
+            refuse_during_capture(backend, "CudaStorage::from_cpu")?;
             let stream = backend.stream().clone();
             let dst = s.buffer_mut()?;
             stream
@@ -270,6 +271,7 @@ impl CudaStorage {
         let mut out = vec![T::ZERO; self.len];
         let dst = bytes_of_mut(&mut out);
         if !dst.is_empty() {
+            refuse_during_capture(&self.backend, "CudaStorage::to_cpu")?;
             let src = self.buf.try_slice(0..dst.len()).ok_or_else(|| {
                 Error::invalid("CudaStorage::to_cpu", "buffer shorter than its length")
             })?;
@@ -281,6 +283,28 @@ impl CudaStorage {
         }
         Ok(out)
     }
+}
+
+/// Copies between pageable host memory and the device are synchronous, which is what makes
+/// [`CudaStorage::to_cpu`] and [`CudaStorage::from_cpu`] correct; while the stream captures a CUDA
+/// graph the driver records them instead of running them (the download would return unfilled
+/// memory, and every replay would touch a host buffer long gone), so they are refused.
+fn refuse_during_capture(backend: &CudaBackend, op: &'static str) -> Result<()> {
+    use cudarc::driver::sys::CUstreamCaptureStatus;
+    let status = backend
+        .stream()
+        .capture_status()
+        .map_err(|e| cuda_error(op, e))?;
+    if status == CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        op,
+        device: backend.device(),
+        reason: "the stream is capturing a CUDA graph, which would record this host copy \
+                 instead of running it"
+            .into(),
+    })
 }
 
 /// Element types that are plain bytes.

@@ -1,10 +1,13 @@
-//! CUDA twin of the routing kernels: `cuda/topk_softmax.cu`, compiled by [`crate::nvrtc`].
+//! CUDA twin of the routing kernels: `cuda/topk_softmax.cu` and `cuda/grouped_topk.cu` (sharing
+//! `cuda/common/routing.cuh`), compiled by [`crate::nvrtc`]. Both run one warp per row.
 //!
-//! Callers (`super`) have validated shapes and parameters; finiteness is checked by the kernel
-//! (a device flag read back after the launch).
+//! Callers (`super`) have validated shapes and parameters; finiteness is checked by the kernels
+//! (device flags, set with a memset and read back after the launch: one host synchronization).
+
+use std::sync::Arc;
 
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-use fmoe_core::cuda::{CudaStorage, cuda_error};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
 use crate::Result;
@@ -15,9 +18,14 @@ const TOPK_SOFTMAX: &str = "topk_softmax";
 const TOPK_SOFTMAX_SRC: &str = include_str!("../../cuda/topk_softmax.cu");
 const TOPK_SOFTMAX_ENTRY: &str = "fmoe_topk_softmax";
 
-/// The most experts the kernel handles: 32 register slots per lane (its `taken` mask is 32 bits).
-/// Also keeps the dynamic shared memory (4 warps × (E + 2k) floats) within the default 48 KiB.
-pub(crate) const TOPK_SOFTMAX_MAX_EXPERTS: usize = 32 * 32;
+const GROUPED_TOPK: &str = "grouped_topk";
+const GROUPED_TOPK_SRC: &str = include_str!("../../cuda/grouped_topk.cu");
+const GROUPED_TOPK_ENTRY: &str = "fmoe_grouped_topk";
+
+/// The most experts either kernel handles: 32 register slots per lane (a lane's `taken` mask is
+/// 32 bits). Also keeps the dynamic shared memory within the default 48 KiB: topk_softmax's
+/// 4 warps × (E + 2k) floats, grouped_topk's 4 warps × (E + n_group + n_group/32) floats.
+pub(crate) const MAX_EXPERTS: usize = 32 * 32;
 
 /// One `topk_softmax` launch, named.
 pub(crate) struct TopKSoftmaxArgs<'a> {
@@ -30,33 +38,46 @@ pub(crate) struct TopKSoftmaxArgs<'a> {
     pub renormalize: bool,
 }
 
-/// What the kernel is compiled for: its `-D` defines come from these fields only.
+/// One `grouped_topk` launch, named.
+pub(crate) struct GroupedTopKArgs<'a> {
+    /// `[rows, experts]`, f32/bf16/f16.
+    pub logits: &'a CudaStorage,
+    /// `[experts]`, f32.
+    pub bias: &'a CudaStorage,
+    pub rows: usize,
+    pub experts: usize,
+    /// Checked by `super::check_groups`.
+    pub params: super::GroupedTopKParams,
+}
+
+/// What a routing kernel is compiled for: its `-D` defines come from these fields only. Both
+/// kernels take the same ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct TopKSoftmaxConfig {
+struct WarpPerRowConfig {
     logits_dtype: DType,
     /// `ceil(E / 32)` rounded up to a power of two: one compiled variant serves a range of E.
     experts_per_lane: u32,
     warps_per_block: u32,
 }
 
-impl TopKSoftmaxConfig {
+impl WarpPerRowConfig {
     const WARPS_PER_BLOCK: u32 = 4;
 
-    fn new(logits_dtype: DType, experts: usize) -> TopKSoftmaxConfig {
+    fn new(logits_dtype: DType, experts: usize) -> WarpPerRowConfig {
         let per_lane = experts.div_ceil(32).max(1).next_power_of_two();
-        TopKSoftmaxConfig {
+        WarpPerRowConfig {
             logits_dtype,
             experts_per_lane: u32::try_from(per_lane).unwrap_or(u32::MAX),
             warps_per_block: Self::WARPS_PER_BLOCK,
         }
     }
 
-    fn defines(&self) -> Result<Vec<(&'static str, String)>> {
+    fn defines(&self, op: &'static str) -> Result<Vec<(&'static str, String)>> {
         let dtype = match self.logits_dtype {
             DType::F32 => 0,
             DType::BF16 => 1,
             DType::F16 => 2,
-            other => return Err(super::logits_dtype_error(TOPK_SOFTMAX, other)),
+            other => return Err(super::logits_dtype_error(op, other)),
         };
         Ok(vec![
             ("FMOE_LOGITS_DTYPE", dtype.to_string()),
@@ -65,31 +86,110 @@ impl TopKSoftmaxConfig {
         ])
     }
 
-    /// Per block: each warp keeps E exps and the k selected (value, id) pairs.
-    fn shared_mem_bytes(&self, experts: usize, top_k: usize) -> usize {
+    /// topk_softmax, per block: each warp keeps E exps and the k selected (value, id) pairs.
+    fn softmax_shared_bytes(&self, experts: usize, top_k: usize) -> usize {
         self.warps_per_block as usize * (experts + 2 * top_k) * 4
+    }
+
+    /// grouped_topk, per block: each warp keeps E biased scores, the group scores and one bit per
+    /// group.
+    fn grouped_shared_bytes(&self, experts: usize, n_group: usize) -> usize {
+        self.warps_per_block as usize * (experts + n_group + n_group.div_ceil(32)) * 4
+    }
+
+    /// One warp per row; at least one block, so that grouped_topk's bias check runs at M = 0.
+    fn launch(&self, op: &'static str, rows: usize, shared_bytes: usize) -> Result<LaunchConfig> {
+        let blocks = rows.div_ceil(self.warps_per_block as usize).max(1);
+        let grid = u32::try_from(blocks)
+            .map_err(|_| crate::Error::invalid(op, format!("{rows} rows exceed the grid limit")))?;
+        Ok(LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (self.warps_per_block * 32, 1, 1),
+            shared_mem_bytes: u32::try_from(shared_bytes)
+                .map_err(|_| crate::Error::invalid(op, "shared memory size overflows u32"))?,
+        })
     }
 }
 
-/// Every compiled variant: each logits dtype × each experts-per-lane step up to the maximum E.
+/// Every compiled variant: each kernel × logits dtype × experts-per-lane step up to the maximum E.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let mut experts = 32;
-        while experts <= TOPK_SOFTMAX_MAX_EXPERTS {
-            let defines = TopKSoftmaxConfig::new(dtype, experts)
-                .defines()
-                .expect("a logits dtype of the kernel");
-            v.push(KernelVariant {
-                family: TOPK_SOFTMAX,
-                source: TOPK_SOFTMAX_SRC,
-                entry: TOPK_SOFTMAX_ENTRY,
-                defines,
-            });
-            experts *= 2;
+    for (family, source, entry) in [
+        (TOPK_SOFTMAX, TOPK_SOFTMAX_SRC, TOPK_SOFTMAX_ENTRY),
+        (GROUPED_TOPK, GROUPED_TOPK_SRC, GROUPED_TOPK_ENTRY),
+    ] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let mut experts = 32;
+            while experts <= MAX_EXPERTS {
+                let defines = WarpPerRowConfig::new(dtype, experts)
+                    .defines(family)
+                    .expect("a logits dtype of the kernel");
+                v.push(KernelVariant {
+                    family,
+                    source,
+                    entry,
+                    defines,
+                });
+                experts *= 2;
+            }
         }
     }
     v
+}
+
+fn check_experts(op: &'static str, logits: &CudaStorage, experts: usize) -> Result<()> {
+    if experts > MAX_EXPERTS {
+        return Err(CoreError::Unsupported {
+            op,
+            device: logits.device(),
+            reason: format!("the CUDA kernel handles at most {MAX_EXPERTS} experts, got {experts}"),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// `n` device words of "no non-finite value seen" (`u64::MAX`, by a memset: nothing uploaded),
+/// which a kernel lowers with `atomicMin`.
+fn non_finite_flags(backend: &Arc<CudaBackend>, n: usize) -> Result<CudaStorage> {
+    // Two u32 per u64; a fresh allocation is at least 256-byte aligned.
+    let mut flags = CudaStorage::alloc(backend, DType::U32, 2 * n)?;
+    flags.fill_bytes(0xFF)?;
+    Ok(flags)
+}
+
+/// Downloads the flags (waits for the kernel: the call's one host synchronization); `None` for a
+/// word no kernel lowered.
+fn read_flags(flags: &CudaStorage) -> Result<Vec<Option<usize>>> {
+    let words = flags.to_cpu()?;
+    let words = match &words {
+        fmoe_core::CpuStorage::U32(w) => w,
+        other => {
+            return Err(crate::Error::invalid(
+                "routing flags",
+                format!("expected u32 flags, got {}", other.dtype()),
+            ));
+        }
+    };
+    Ok(words
+        .chunks_exact(2)
+        .map(|w| u64::from(w[0]) | (u64::from(w[1]) << 32))
+        .map(|i| (i != u64::MAX).then(|| usize::try_from(i).unwrap_or(usize::MAX)))
+        .collect())
+}
+
+/// The twin's NonFinite error for element `index` of `data` (its value downloaded).
+fn non_finite_at(
+    op: &'static str,
+    tensor: &str,
+    data: &CudaStorage,
+    index: usize,
+) -> Result<crate::Error> {
+    let value = data
+        .copy_range(index..index.saturating_add(1))?
+        .to_cpu()
+        .map(|c| first_f32(&c))?;
+    Ok(super::non_finite(op, tensor, index, value))
 }
 
 /// Runs the kernel; returns (weights f32 `[rows·k]`, ids u32 `[rows·k]`) on the logits' device.
@@ -103,16 +203,7 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
         renormalize,
     } = *args;
     let backend = logits.backend();
-    if experts > TOPK_SOFTMAX_MAX_EXPERTS {
-        return Err(CoreError::Unsupported {
-            op: OP,
-            device: logits.device(),
-            reason: format!(
-                "the CUDA kernel handles at most {TOPK_SOFTMAX_MAX_EXPERTS} experts, got {experts}"
-            ),
-        }
-        .into());
-    }
+    check_experts(OP, logits, experts)?;
     let n = rows * top_k;
     let mut weights = CudaStorage::alloc(backend, DType::F32, n)?;
     let mut ids = CudaStorage::alloc(backend, DType::U32, n)?;
@@ -120,8 +211,8 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
         return Ok((weights, ids));
     }
 
-    let cfg = TopKSoftmaxConfig::new(logits.dtype(), experts);
-    let defines = cfg.defines()?;
+    let cfg = WarpPerRowConfig::new(logits.dtype(), experts);
+    let defines = cfg.defines(OP)?;
     let function = nvrtc::KernelCache::global().load(
         backend,
         &KernelSpec {
@@ -131,21 +222,12 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
             defines: &defines,
         },
     )?;
-    let grid = u32::try_from(rows.div_ceil(cfg.warps_per_block as usize))
-        .map_err(|_| crate::Error::invalid(OP, format!("{rows} rows exceed the grid limit")))?;
-    let launch = LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (cfg.warps_per_block * 32, 1, 1),
-        // ≤ 4 · (1024 + 2 · 1024) · 4 = 48 KiB by TOPK_SOFTMAX_MAX_EXPERTS.
-        shared_mem_bytes: u32::try_from(cfg.shared_mem_bytes(experts, top_k))
-            .map_err(|_| crate::Error::invalid(OP, "shared memory size overflows u32"))?,
-    };
+    // ≤ 4 · (1024 + 2 · 1024) · 4 = 48 KiB by MAX_EXPERTS.
+    let launch = cfg.launch(OP, rows, cfg.softmax_shared_bytes(experts, top_k))?;
 
+    // Lowest flat index of a non-finite logit.
+    let mut flags = non_finite_flags(backend, 1)?;
     let stream = backend.stream();
-    // Lowest flat index of a non-finite logit; u64::MAX = none.
-    let mut bad_index = stream
-        .clone_htod(&[u64::MAX])
-        .map_err(|e| cuda_error("topk_softmax: flag upload", e))?;
     // Kernel scalars; they must outlive the launch call (the driver copies them at launch).
     let rows_u64 = rows as u64;
     let experts_u32 = experts as u32;
@@ -153,32 +235,103 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
     let renormalize_i32 = i32::from(renormalize);
     let w_buf = weights.buffer_mut()?;
     let id_buf = ids.buffer_mut()?;
+    let flag_buf = flags.buffer_mut()?;
     let mut b = stream.launch_builder(&function);
     b.arg(logits.buffer())
         .arg(w_buf)
         .arg(id_buf)
-        .arg(&mut bad_index)
+        .arg(flag_buf)
         .arg(&rows_u64)
         .arg(&experts_u32)
         .arg(&top_k_u32)
         .arg(&renormalize_i32);
     // SAFETY: the arguments match `fmoe_topk_softmax`'s parameters in order and type (pointers,
     // u64, u32, u32, i32); `logits` holds rows·experts elements of the dtype compiled for (the
-    // config is built from it), the outputs rows·top_k elements each; the grid covers every row
-    // and the kernel writes every output element; all buffers live on `stream`.
+    // config is built from it), the outputs rows·top_k elements each, the flag one u64 (8 bytes);
+    // the grid covers every row and the kernel writes every output element; all buffers live on
+    // `stream`.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("topk_softmax: launch", e))?;
 
-    // The download waits for the kernel: this call synchronizes with the host once.
-    let bad = stream
-        .clone_dtoh(&bad_index)
-        .map_err(|e| cuda_error("topk_softmax: flag download", e))?;
-    if let Some(&index) = bad.first().filter(|&&i| i != u64::MAX) {
-        let index = usize::try_from(index).unwrap_or(usize::MAX);
-        let value = logits
-            .copy_range(index..index.saturating_add(1))?
-            .to_cpu()
-            .map(|c| first_f32(&c))?;
-        return Err(super::non_finite(OP, super::LOGITS, index, value));
+    if let Some(&Some(index)) = read_flags(&flags)?.first() {
+        return Err(non_finite_at(OP, super::LOGITS, logits, index)?);
+    }
+    Ok((weights, ids))
+}
+
+/// Runs the kernel; returns (weights f32 `[rows·k]`, ids u32 `[rows·k]`) on the logits' device.
+/// A non-finite logit is reported before a non-finite bias entry, as on the CPU.
+pub(crate) fn grouped_topk(args: &GroupedTopKArgs<'_>) -> Result<(CudaStorage, CudaStorage)> {
+    const OP: &str = GROUPED_TOPK;
+    let GroupedTopKArgs {
+        logits,
+        bias,
+        rows,
+        experts,
+        params: p,
+    } = *args;
+    let backend = logits.backend();
+    check_experts(OP, logits, experts)?;
+    let n = rows * p.top_k;
+    let mut weights = CudaStorage::alloc(backend, DType::F32, n)?;
+    let mut ids = CudaStorage::alloc(backend, DType::U32, n)?;
+
+    let cfg = WarpPerRowConfig::new(logits.dtype(), experts);
+    let defines = cfg.defines(OP)?;
+    let function = nvrtc::KernelCache::global().load(
+        backend,
+        &KernelSpec {
+            family: GROUPED_TOPK,
+            source: GROUPED_TOPK_SRC,
+            entry: GROUPED_TOPK_ENTRY,
+            defines: &defines,
+        },
+    )?;
+    // ≤ 4 · (1024 + 1024 + 32) · 4 = 33,280 bytes by MAX_EXPERTS (n_group ≤ E).
+    let launch = cfg.launch(OP, rows, cfg.grouped_shared_bytes(experts, p.n_group))?;
+
+    // [lowest flat index of a non-finite logit, lowest index of a non-finite bias entry].
+    let mut flags = non_finite_flags(backend, 2)?;
+    let stream = backend.stream();
+    // Kernel scalars; they must outlive the launch call (the driver copies them at launch).
+    let rows_u64 = rows as u64;
+    let u32_of = |what: &str, v: usize| crate::launch::u32_arg(OP, what, v);
+    let experts_u32 = u32_of("experts", experts)?;
+    let n_group_u32 = u32_of("n_group", p.n_group)?;
+    let topk_group_u32 = u32_of("topk_group", p.topk_group)?;
+    let top_k_u32 = u32_of("top_k", p.top_k)?;
+    let renormalize_i32 = i32::from(p.renormalize);
+    let scaling = p.routed_scaling_factor;
+    let w_buf = weights.buffer_mut()?;
+    let id_buf = ids.buffer_mut()?;
+    let flag_buf = flags.buffer_mut()?;
+    let mut b = stream.launch_builder(&function);
+    b.arg(logits.buffer())
+        .arg(bias.buffer())
+        .arg(w_buf)
+        .arg(id_buf)
+        .arg(flag_buf)
+        .arg(&rows_u64)
+        .arg(&experts_u32)
+        .arg(&n_group_u32)
+        .arg(&topk_group_u32)
+        .arg(&top_k_u32)
+        .arg(&renormalize_i32)
+        .arg(&scaling);
+    // SAFETY: the arguments match `fmoe_grouped_topk`'s parameters in order and type (pointers,
+    // u64, u32 ×4, i32, f32); `logits` holds rows·experts elements of the dtype compiled for (the
+    // config is built from it), `bias` experts f32 (checked by `super`), the outputs rows·top_k
+    // elements each, the flags two u64 (16 bytes); n_group divides experts and top_k ≤
+    // topk_group · experts / n_group (`super::check_groups`), so every row's k rounds find an
+    // expert; the grid covers every row and the kernel writes every output element; all buffers
+    // live on `stream`.
+    unsafe { b.launch(launch) }.map_err(|e| cuda_error("grouped_topk: launch", e))?;
+
+    let flags = read_flags(&flags)?;
+    if let Some(&Some(index)) = flags.first() {
+        return Err(non_finite_at(OP, super::LOGITS, logits, index)?);
+    }
+    if let Some(&Some(index)) = flags.get(1) {
+        return Err(non_finite_at(OP, super::BIAS, bias, index)?);
     }
     Ok((weights, ids))
 }
@@ -201,10 +354,10 @@ mod tests {
 
     #[test]
     fn config_text_comes_from_named_fields() {
-        let c = TopKSoftmaxConfig::new(DType::BF16, 256);
+        let c = WarpPerRowConfig::new(DType::BF16, 256);
         assert_eq!(c.experts_per_lane, 8);
         assert_eq!(
-            c.defines().unwrap(),
+            c.defines(TOPK_SOFTMAX).unwrap(),
             [
                 ("FMOE_LOGITS_DTYPE", "1".to_string()),
                 ("EXPERTS_PER_LANE", "8".to_string()),
@@ -213,19 +366,46 @@ mod tests {
         );
         for (e, per_lane) in [(1, 1), (8, 1), (32, 1), (33, 2), (64, 2), (65, 4), (160, 8)] {
             assert_eq!(
-                TopKSoftmaxConfig::new(DType::F32, e).experts_per_lane,
+                WarpPerRowConfig::new(DType::F32, e).experts_per_lane,
                 per_lane,
                 "E={e}"
             );
         }
         assert_eq!(
-            TopKSoftmaxConfig::new(DType::F32, TOPK_SOFTMAX_MAX_EXPERTS).experts_per_lane,
+            WarpPerRowConfig::new(DType::F32, MAX_EXPERTS).experts_per_lane,
             32
         );
-        assert!(TopKSoftmaxConfig::new(DType::U32, 8).defines().is_err());
-        let max = TopKSoftmaxConfig::new(DType::F32, TOPK_SOFTMAX_MAX_EXPERTS);
         assert!(
-            max.shared_mem_bytes(TOPK_SOFTMAX_MAX_EXPERTS, TOPK_SOFTMAX_MAX_EXPERTS) <= 48 * 1024
+            WarpPerRowConfig::new(DType::U32, 8)
+                .defines(OP_ANY)
+                .is_err()
         );
+        let max = WarpPerRowConfig::new(DType::F32, MAX_EXPERTS);
+        assert!(max.softmax_shared_bytes(MAX_EXPERTS, MAX_EXPERTS) <= 48 * 1024);
+        assert!(max.grouped_shared_bytes(MAX_EXPERTS, MAX_EXPERTS) <= 48 * 1024);
+    }
+
+    const OP_ANY: &str = GROUPED_TOPK;
+
+    #[test]
+    fn launch_has_a_block_even_without_rows() {
+        let c = WarpPerRowConfig::new(DType::F32, 256);
+        assert_eq!(c.launch(OP_ANY, 0, 0).unwrap().grid_dim, (1, 1, 1));
+        assert_eq!(c.launch(OP_ANY, 4, 0).unwrap().grid_dim, (1, 1, 1));
+        assert_eq!(c.launch(OP_ANY, 5, 0).unwrap().grid_dim, (2, 1, 1));
+        assert_eq!(c.launch(OP_ANY, 5, 0).unwrap().block_dim, (128, 1, 1));
+    }
+
+    #[test]
+    fn both_kernels_have_a_variant_per_dtype_and_width() {
+        let v = variants();
+        for family in [TOPK_SOFTMAX, GROUPED_TOPK] {
+            // 3 dtypes × experts-per-lane 1, 2, 4, 8, 16, 32.
+            assert_eq!(
+                v.iter().filter(|k| k.family == family).count(),
+                18,
+                "{family}"
+            );
+        }
     }
 }

@@ -15,11 +15,13 @@
 //! place in a top-k order and softmax of +Inf is undefined, so neither is silently routed.
 //!
 //! The functions validate, then dispatch on the logits' storage; `cpu.rs` holds the CPU twin and
-//! `cuda.rs` the CUDA one (`topk_softmax` only so far: `grouped_topk` on CUDA is an
+//! `cuda.rs` the CUDA one (one warp per token, E ≤ 1024, any k ≤ E; more experts is an
 //! [`fmoe_core::Error::Unsupported`]). On CUDA, finiteness is checked by the kernel, which flags
-//! the first non-finite logit; the call reads the flag back (one host synchronization) and
-//! returns the same [`fmoe_core::Error::NonFinite`] as the CPU twin. Outputs stay on the logits'
-//! device.
+//! the first non-finite logit (and, for `grouped_topk`, bias entry); the call reads the flags back
+//! (one host synchronization) and returns the same [`fmoe_core::Error::NonFinite`] as the CPU
+//! twin. The CUDA `grouped_topk` computes sigmoid with an exp rounded from f64, so its ids equal
+//! the twin's and its weights differ from them by an ulp at most where the host's `expf` is
+//! correctly rounded. Outputs stay on the logits' device.
 
 mod cpu;
 mod cuda;
@@ -129,8 +131,6 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
     }
     check_finite_logits(OP, logits)?;
 
-    let mut weights = vec![0f32; rows * p.top_k];
-    let mut ids = vec![0u32; rows * p.top_k];
     match logits.storage() {
         Storage::Cpu(s) => {
             let b = bias.cpu_slice::<f32>(OP, BIAS)?;
@@ -138,6 +138,8 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
             if let Some((index, value)) = cpu::first_non_finite(b) {
                 return Err(non_finite(OP, BIAS, index, value));
             }
+            let mut weights = vec![0f32; rows * p.top_k];
+            let mut ids = vec![0u32; rows * p.top_k];
             let (w, i) = (&mut weights[..], &mut ids[..]);
             match s {
                 CpuStorage::F32(v) => cpu::grouped_topk(v, b, p, w, i),
@@ -145,12 +147,23 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
                 CpuStorage::F16(v) => cpu::grouped_topk(v, b, p, w, i),
                 other => return Err(logits_dtype_error(OP, other.dtype())),
             }
+            output(logits, rows, p.top_k, weights, ids)
         }
         Storage::Cuda(s) => {
-            return Err(crate::error::no_cuda_kernel(OP, s));
+            let bias = crate::launch::cuda_storage(OP, BIAS, bias, logits.device())?;
+            let (weights, ids) = cuda::grouped_topk(&cuda::GroupedTopKArgs {
+                logits: s,
+                bias,
+                rows,
+                experts,
+                params: *p,
+            })?;
+            Ok(TopK {
+                weights: Tensor::from_storage(Storage::Cuda(weights), [rows, p.top_k])?,
+                ids: Tensor::from_storage(Storage::Cuda(ids), [rows, p.top_k])?,
+            })
         }
     }
-    output(logits, rows, p.top_k, weights, ids)
 }
 
 /// Rank 2 and a float dtype; returns (M, E).
