@@ -17,28 +17,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/elem.cuh"
 #include "common/math.cuh"
-
-template <int D>
-struct Elem;
-template <>
-struct Elem<0> {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float v) { return v; }
-};
-template <>
-struct Elem<1> {
-    typedef __nv_bfloat16 T;
-    static __device__ __forceinline__ float load(T v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2bfloat16_rn(v); }
-};
-template <>
-struct Elem<2> {
-    typedef __half T;
-    static __device__ __forceinline__ float load(T v) { return __half2float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2half_rn(v); }
-};
 
 #define GRID_STRIDE(i, n)                                                                     \
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \

@@ -15,7 +15,7 @@ const FAMILY: &str = "elementwise";
 const SRC: &str = include_str!("../../cuda/elementwise.cu");
 
 /// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), if it has one.
-fn dtype_code(dtype: DType) -> Option<&'static str> {
+pub(crate) fn dtype_code(dtype: DType) -> Option<&'static str> {
     match dtype {
         DType::F32 => Some("0"),
         DType::BF16 => Some("1"),
@@ -25,7 +25,7 @@ fn dtype_code(dtype: DType) -> Option<&'static str> {
 }
 
 /// [`dtype_code`], or `Unsupported` naming what is missing.
-fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+pub(crate) fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
     dtype_code(dtype).ok_or_else(|| {
         CoreError::Unsupported {
             op,

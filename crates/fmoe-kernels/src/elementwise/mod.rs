@@ -21,7 +21,7 @@
 
 mod copy;
 mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 
 pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
     let mut v = cuda::variants();
