@@ -4,6 +4,8 @@
 //   fmoe_add         out = DT(f32(a) + f32(b))                              (DT)
 //   fmoe_randn       out[i] = DT(scale * normal(seed, i)), a counter-based normal (DT)
 //   fmoe_sum_bf16    *out += sum of x (f32 accumulation; *out zeroed by the caller)
+//   fmoe_silu_mul    y[r, c] = DT(silu(x[r, c]) * x[r, I + c]) for x [rows, 2I]   (DT)
+//   fmoe_rand_uniform[_e4m3]  out[i] = DT(offset + scale * uniform(seed, i))   (DT, or e4m3)
 //
 // Dtype codes (-D SRC_DT / DST_DT / DT): 0 = f32, 1 = bf16, 2 = f16. All kernels are grid-stride
 // loops over 64-bit indices: any grid size covers any length.
@@ -12,30 +14,18 @@
 // (0, 1]; u2 = bits 16..39 of h over 2^24, in [0, 1); normal = sqrt(-2 ln u1) cos(2 pi u2) in f32
 // (Box-Muller, one value per index). The CPU twin computes the same expression with Rust's f32
 // ln/cos/sqrt; the two agree to a few f32 ulps.
+//
+// uniform (the dummy weights' generator): z = finalizer(seed ^ i * 0x9e3779b97f4a7c15) (splitmix64's
+// finalizer without its increment), u = (z >> 40) / 2^23 - 1 in [-1, 1), exact in f32; then
+// offset + scale * u with IEEE multiply and add, not contracted into an fma, so every device and
+// the CPU twin give the same f32, and the same codes after the round-to-nearest-even store.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-template <int D>
-struct Elem;
-template <>
-struct Elem<0> {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float v) { return v; }
-};
-template <>
-struct Elem<1> {
-    typedef __nv_bfloat16 T;
-    static __device__ __forceinline__ float load(T v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2bfloat16_rn(v); }
-};
-template <>
-struct Elem<2> {
-    typedef __half T;
-    static __device__ __forceinline__ float load(T v) { return __half2float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2half_rn(v); }
-};
+#include "common/elem.cuh"
+#include "common/fp8.cuh"
+#include "common/math.cuh"
 
 #define GRID_STRIDE(i, n)                                                                     \
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
@@ -49,8 +39,29 @@ extern "C" __global__ void fmoe_cast(const typename Elem<SRC_DT>::T* __restrict_
 }
 #endif
 
+__device__ __forceinline__ float uniform_at(unsigned long long seed, unsigned long long i, float scale,
+                                            float offset) {
+    unsigned long long z = seed ^ (i * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = (float)(z >> 40) * 1.1920928955078125e-7f - 1.0f;  // 2^-23
+    return __fadd_rn(offset, __fmul_rn(scale, u));
+}
+
+extern "C" __global__ void fmoe_rand_uniform_e4m3(unsigned char* __restrict__ out,
+                                                  unsigned long long n, unsigned long long seed,
+                                                  float scale, float offset) {
+    GRID_STRIDE(i, n) out[i] = (unsigned char)(e4m3x2(uniform_at(seed, i, scale, offset), 0.0f) & 0xffu);
+}
+
 #ifdef DT
 typedef Elem<DT> E;
+
+extern "C" __global__ void fmoe_rand_uniform(E::T* __restrict__ out, unsigned long long n,
+                                             unsigned long long seed, float scale, float offset) {
+    GRID_STRIDE(i, n) out[i] = E::store(uniform_at(seed, i, scale, offset));
+}
 
 extern "C" __global__ void fmoe_add(const E::T* __restrict__ a, const E::T* __restrict__ b,
                                     E::T* __restrict__ out, unsigned long long n) {
@@ -73,6 +84,38 @@ extern "C" __global__ void fmoe_randn(E::T* __restrict__ out, unsigned long long
         const float u2 = (float)((h >> 16) & 0xffffffull) * 5.9604644775390625e-8f;
         const float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
         out[i] = E::store(scale * z);
+    }
+}
+
+// One 16-byte word of DT elements.
+struct alignas(16) Vec16 {
+    E::T v[16 / sizeof(E::T)];
+};
+
+// Blocks stride over rows, threads over columns; with `vec` (I and so every row half a multiple of
+// 16 bytes, the allocation 256-byte aligned) 16-byte loads and stores.
+extern "C" __global__ void fmoe_silu_mul(const E::T* __restrict__ x, E::T* __restrict__ y,
+                                         unsigned long long rows, unsigned long long inner,
+                                         unsigned int vec) {
+    constexpr int N = 16 / sizeof(E::T);
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const E::T* g = x + r * 2 * inner;
+        const E::T* u = g + inner;
+        E::T* o = y + r * inner;
+        if (vec) {
+            for (unsigned long long c = threadIdx.x; c < inner / N; c += blockDim.x) {
+                const Vec16 gv = reinterpret_cast<const Vec16*>(g)[c];
+                const Vec16 uv = reinterpret_cast<const Vec16*>(u)[c];
+                Vec16 ov;
+#pragma unroll
+                for (int j = 0; j < N; ++j) ov.v[j] = E::store(silu(E::load(gv.v[j])) * E::load(uv.v[j]));
+                reinterpret_cast<Vec16*>(o)[c] = ov;
+            }
+        } else {
+            for (unsigned long long c = threadIdx.x; c < inner; c += blockDim.x) {
+                o[c] = E::store(silu(E::load(g[c])) * E::load(u[c]));
+            }
+        }
     }
 }
 #endif

@@ -67,6 +67,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         "common/atomics.cuh",
         include_str!("../cuda/common/atomics.cuh"),
     ),
+    ("common/elem.cuh", include_str!("../cuda/common/elem.cuh")),
     (
         "common/flash_attention.cuh",
         include_str!("../cuda/common/flash_attention.cuh"),

@@ -179,6 +179,7 @@ fn catalog_covers_every_source_and_gemm_config() {
     let expected = [
         "attention_decode",
         "attention_prefill",
+        "copy",
         "elementwise",
         "grouped_topk",
         "moe_align",
@@ -187,7 +188,9 @@ fn catalog_covers_every_source_and_gemm_config() {
         "moe_gemm_fp8_block_sm90",
         "moe_gemm_fp8_sm90",
         "moe_unfused",
+        "norm",
         "quant_fp8",
+        "rotary",
         "topk_softmax",
     ];
     assert_eq!(families, expected.into_iter().collect());

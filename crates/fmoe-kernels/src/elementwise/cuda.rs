@@ -8,14 +8,14 @@ use fmoe_core::{DType, Error as CoreError};
 
 use crate::Result;
 use crate::catalog::KernelVariant;
-use crate::launch::{ELEMENTWISE_THREADS, grid_stride_blocks};
+use crate::launch::{ELEMENTWISE_THREADS, MAX_GRID_STRIDE_BLOCKS, grid_stride_blocks};
 use crate::nvrtc;
 
 const FAMILY: &str = "elementwise";
 const SRC: &str = include_str!("../../cuda/elementwise.cu");
 
 /// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), if it has one.
-fn dtype_code(dtype: DType) -> Option<&'static str> {
+pub(crate) fn dtype_code(dtype: DType) -> Option<&'static str> {
     match dtype {
         DType::F32 => Some("0"),
         DType::BF16 => Some("1"),
@@ -25,7 +25,7 @@ fn dtype_code(dtype: DType) -> Option<&'static str> {
 }
 
 /// [`dtype_code`], or `Unsupported` naming what is missing.
-fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+pub(crate) fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
     dtype_code(dtype).ok_or_else(|| {
         CoreError::Unsupported {
             op,
@@ -36,7 +36,8 @@ fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str>
     })
 }
 
-/// Every variant: casts between the kernel dtypes, add and randn per dtype, the bf16 sum.
+/// Every variant: casts between the kernel dtypes, add, randn, silu_mul and rand_uniform per
+/// dtype, the bf16 sum, the e4m3 rand_uniform.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let codes: Vec<&'static str> = super::FLOATS
         .iter()
@@ -60,8 +61,11 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
     for &c in &codes {
         v.push(variant("fmoe_add", vec![("DT", c.to_string())]));
         v.push(variant("fmoe_randn", vec![("DT", c.to_string())]));
+        v.push(variant("fmoe_silu_mul", vec![("DT", c.to_string())]));
+        v.push(variant("fmoe_rand_uniform", vec![("DT", c.to_string())]));
     }
     v.push(variant("fmoe_sum_bf16", Vec::new()));
+    v.push(variant("fmoe_rand_uniform_e4m3", Vec::new()));
     v
 }
 
@@ -165,5 +169,73 @@ pub(super) fn sum(op: &'static str, x: &CudaStorage) -> Result<CudaStorage> {
     // the 16-byte loads of the first n/8 chunks are aligned and in bounds); out holds one f32,
     // zeroed above.
     unsafe { l.launch(launch_1d(n / 8)) }.map_err(|e| cuda_error("elementwise::sum launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn silu_mul(
+    op: &'static str,
+    x: &CudaStorage,
+    rows: usize,
+    inner: usize,
+) -> Result<CudaStorage> {
+    let defines = [("DT", code(op, x, x.dtype())?.to_string())];
+    let backend = x.backend();
+    let mut out = CudaStorage::alloc(backend, x.dtype(), rows * inner)?;
+    if rows == 0 || inner == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_silu_mul", &defines)?;
+    let vec = u32::from((inner * x.dtype().size_in_bytes()).is_multiple_of(16));
+    let (rows64, inner64) = (rows as u64, inner as u64);
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(x.buffer())
+        .arg(dst)
+        .arg(&rows64)
+        .arg(&inner64)
+        .arg(&vec);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.min(MAX_GRID_STRIDE_BLOCKS) as u32, 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: (const T*, T*, u64, u64, u32) as declared, T compiled from x's dtype; x holds
+    // rows·2·inner and out rows·inner elements; `vec` only when every row half is a whole number
+    // of 16-byte words (allocations are 256-byte aligned).
+    unsafe { l.launch(cfg) }.map_err(|e| cuda_error("elementwise::silu_mul launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn rand_uniform(
+    op: &'static str,
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    n: usize,
+    [scale, offset]: [f32; 2],
+    seed: u64,
+) -> Result<CudaStorage> {
+    let mut out = CudaStorage::alloc(backend, dtype, n)?;
+    let (entry, defines) = if dtype == DType::F8E4M3 {
+        ("fmoe_rand_uniform_e4m3", Vec::new())
+    } else {
+        (
+            "fmoe_rand_uniform",
+            vec![("DT", code(op, &out, dtype)?.to_string())],
+        )
+    };
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, entry, &defines)?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(dst).arg(&n64).arg(&seed).arg(&scale).arg(&offset);
+    // SAFETY: (T*, u64, u64, float, float) as declared, T the compiled dtype (one byte for the
+    // e4m3 entry); out holds n elements of it.
+    unsafe { l.launch(launch_1d(n)) }
+        .map_err(|e| cuda_error("elementwise::rand_uniform launch", e))?;
     Ok(out)
 }
