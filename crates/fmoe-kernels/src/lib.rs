@@ -10,6 +10,9 @@
 //!   the routing weight and top-k reduction fused (`fused` family), and the per-expert loop
 //!   baseline (`portable` family).
 //!
+//! - [`attention`]: causal / sliding-window softmax attention over a varlen batch (GQA, separate
+//!   q·k and v widths), the dense layers' one heavy kernel: flash-attention prefill on tensor cores
+//!   and split-KV flash-decoding.
 //! - [`elementwise`]: casts, adds, random fills and sums on the tensor's device (the glue around
 //!   the GEMMs, and the benchmark's device-side weights).
 //!
@@ -19,6 +22,7 @@
 //!
 //! The MoE layer (fmoe-moe) composes them: prepare (quantize, align) → experts → finalize.
 
+pub mod attention;
 pub mod catalog;
 pub mod elementwise;
 mod error;
