@@ -4,6 +4,7 @@
 //   fmoe_add         out = DT(f32(a) + f32(b))                              (DT)
 //   fmoe_randn       out[i] = DT(scale * normal(seed, i)), a counter-based normal (DT)
 //   fmoe_sum_bf16    *out += sum of x (f32 accumulation; *out zeroed by the caller)
+//   fmoe_silu_mul    y[r, c] = DT(silu(x[r, c]) * x[r, I + c]) for x [rows, 2I]   (DT)
 //
 // Dtype codes (-D SRC_DT / DST_DT / DT): 0 = f32, 1 = bf16, 2 = f16. All kernels are grid-stride
 // loops over 64-bit indices: any grid size covers any length.
@@ -15,6 +16,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "common/math.cuh"
 
 template <int D>
 struct Elem;
@@ -73,6 +76,38 @@ extern "C" __global__ void fmoe_randn(E::T* __restrict__ out, unsigned long long
         const float u2 = (float)((h >> 16) & 0xffffffull) * 5.9604644775390625e-8f;
         const float z = sqrtf(-2.0f * logf(u1)) * cosf(6.28318530717958647692f * u2);
         out[i] = E::store(scale * z);
+    }
+}
+
+// One 16-byte word of DT elements.
+struct alignas(16) Vec16 {
+    E::T v[16 / sizeof(E::T)];
+};
+
+// Blocks stride over rows, threads over columns; with `vec` (I and so every row half a multiple of
+// 16 bytes, the allocation 256-byte aligned) 16-byte loads and stores.
+extern "C" __global__ void fmoe_silu_mul(const E::T* __restrict__ x, E::T* __restrict__ y,
+                                         unsigned long long rows, unsigned long long inner,
+                                         unsigned int vec) {
+    constexpr int N = 16 / sizeof(E::T);
+    for (unsigned long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const E::T* g = x + r * 2 * inner;
+        const E::T* u = g + inner;
+        E::T* o = y + r * inner;
+        if (vec) {
+            for (unsigned long long c = threadIdx.x; c < inner / N; c += blockDim.x) {
+                const Vec16 gv = reinterpret_cast<const Vec16*>(g)[c];
+                const Vec16 uv = reinterpret_cast<const Vec16*>(u)[c];
+                Vec16 ov;
+#pragma unroll
+                for (int j = 0; j < N; ++j) ov.v[j] = E::store(silu(E::load(gv.v[j])) * E::load(uv.v[j]));
+                reinterpret_cast<Vec16*>(o)[c] = ov;
+            }
+        } else {
+            for (unsigned long long c = threadIdx.x; c < inner; c += blockDim.x) {
+                o[c] = E::store(silu(E::load(g[c])) * E::load(u[c]));
+            }
+        }
     }
 }
 #endif

@@ -28,6 +28,10 @@ pub enum Error {
         route: usize,
         experts: usize,
     },
+
+    /// libcublas could not be loaded (or is unusable); one line.
+    #[error("{op}: cuBLAS unavailable: {reason}")]
+    NoCublas { op: &'static str, reason: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -35,6 +39,15 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Core(fmoe_core::Error::invalid(op, msg))
+    }
+
+    /// [`Error::NoCublas`] with `reason` flattened to one line.
+    pub fn no_cublas(op: &'static str, reason: impl Into<String>) -> Self {
+        let reason: String = reason.into();
+        Error::NoCublas {
+            op,
+            reason: reason.split_whitespace().collect::<Vec<_>>().join(" "),
+        }
     }
 }
 

@@ -14,7 +14,15 @@
 //!   q·k and v widths), the dense layers' one heavy kernel: flash-attention prefill on tensor cores
 //!   and split-KV flash-decoding.
 //! - [`elementwise`]: casts, adds, random fills and sums on the tensor's device (the glue around
-//!   the GEMMs, and the benchmark's device-side weights).
+//!   the GEMMs, and the benchmark's device-side weights); SiLU⊙mul and the row/column copies the
+//!   dense model path needs (embedding gather, narrows, per-head concatenation).
+//!
+//! The dense model path (attention blocks, dense MLPs, norms, heads):
+//! - [`linear`]: `y = x·wᵀ` (nn.Linear layout), cuBLAS on CUDA ([`cublas`] loads it at run time
+//!   and keeps one handle per backend, on the backend's stream).
+//! - [`norm`]: RMSNorm and the fused residual add + RMSNorm.
+//! - [`rotary`]: rotary embeddings, half-split (Mixtral) or interleaved (DeepSeek-V3), on a slice
+//!   of each head.
 //!
 //! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`, shared
 //! device code in `cuda/common/*.cuh`, compiled at run time for the device, cached in memory and on
@@ -24,13 +32,17 @@
 
 pub mod attention;
 pub mod catalog;
+pub mod cublas;
 pub mod elementwise;
 mod error;
 mod launch;
+pub mod linear;
 pub mod moe_align;
 pub mod moe_gemm;
+pub mod norm;
 pub mod nvrtc;
 pub mod quant_fp8;
+pub mod rotary;
 pub mod routing;
 
 pub use error::{Error, Result};

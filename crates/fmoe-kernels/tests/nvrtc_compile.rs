@@ -177,6 +177,7 @@ fn catalog_covers_every_source_and_gemm_config() {
     let variants = catalog::all();
     let families: BTreeSet<&str> = variants.iter().map(|v| v.family).collect();
     let expected = [
+        "copy",
         "elementwise",
         "moe_align",
         "moe_gemm_bf16",

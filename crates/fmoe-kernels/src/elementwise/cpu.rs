@@ -31,3 +31,18 @@ pub(super) fn randn(n: usize, scale: f32, seed: u64) -> Vec<f32> {
         .map(|i| scale * normal(seed, i))
         .collect()
 }
+
+/// silu(gate) · up per row of `[gate (i) | up (i)]`, rounded once to `dtype`.
+pub(super) fn silu_mul(x: &[f32], i: usize, dtype: fmoe_core::DType) -> Vec<f32> {
+    use crate::moe_gemm::cpu::silu;
+    use crate::norm::cpu::round_to;
+    let mut y = Vec::with_capacity(x.len() / 2);
+    if i == 0 {
+        return y;
+    }
+    for row in x.chunks(2 * i) {
+        let (g, u) = row.split_at(i);
+        y.extend(g.iter().zip(u).map(|(&g, &u)| round_to(dtype, silu(g) * u)));
+    }
+    y
+}

@@ -8,7 +8,7 @@ use fmoe_core::{DType, Error as CoreError};
 
 use crate::Result;
 use crate::catalog::KernelVariant;
-use crate::launch::{ELEMENTWISE_THREADS, grid_stride_blocks};
+use crate::launch::{ELEMENTWISE_THREADS, MAX_GRID_STRIDE_BLOCKS, grid_stride_blocks};
 use crate::nvrtc;
 
 const FAMILY: &str = "elementwise";
@@ -36,7 +36,8 @@ fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str>
     })
 }
 
-/// Every variant: casts between the kernel dtypes, add and randn per dtype, the bf16 sum.
+/// Every variant: casts between the kernel dtypes, add, randn and silu_mul per dtype, the bf16
+/// sum.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let codes: Vec<&'static str> = super::FLOATS
         .iter()
@@ -60,6 +61,7 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
     for &c in &codes {
         v.push(variant("fmoe_add", vec![("DT", c.to_string())]));
         v.push(variant("fmoe_randn", vec![("DT", c.to_string())]));
+        v.push(variant("fmoe_silu_mul", vec![("DT", c.to_string())]));
     }
     v.push(variant("fmoe_sum_bf16", Vec::new()));
     v
@@ -165,5 +167,40 @@ pub(super) fn sum(op: &'static str, x: &CudaStorage) -> Result<CudaStorage> {
     // the 16-byte loads of the first n/8 chunks are aligned and in bounds); out holds one f32,
     // zeroed above.
     unsafe { l.launch(launch_1d(n / 8)) }.map_err(|e| cuda_error("elementwise::sum launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn silu_mul(
+    op: &'static str,
+    x: &CudaStorage,
+    rows: usize,
+    inner: usize,
+) -> Result<CudaStorage> {
+    let defines = [("DT", code(op, x, x.dtype())?.to_string())];
+    let backend = x.backend();
+    let mut out = CudaStorage::alloc(backend, x.dtype(), rows * inner)?;
+    if rows == 0 || inner == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_silu_mul", &defines)?;
+    let vec = u32::from((inner * x.dtype().size_in_bytes()).is_multiple_of(16));
+    let (rows64, inner64) = (rows as u64, inner as u64);
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(x.buffer())
+        .arg(dst)
+        .arg(&rows64)
+        .arg(&inner64)
+        .arg(&vec);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.min(MAX_GRID_STRIDE_BLOCKS) as u32, 1, 1),
+        block_dim: (ELEMENTWISE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: (const T*, T*, u64, u64, u32) as declared, T compiled from x's dtype; x holds
+    // rows·2·inner and out rows·inner elements; `vec` only when every row half is a whole number
+    // of 16-byte words (allocations are 256-byte aligned).
+    unsafe { l.launch(cfg) }.map_err(|e| cuda_error("elementwise::silu_mul launch", e))?;
     Ok(out)
 }

@@ -10,18 +10,28 @@
 //!   uploaded). Value `i` is a function of (seed, i) only, so any device and any launch geometry
 //!   gives the same tensor (CPU and CUDA agree to a few f32 ulps: ln/cos/sqrt differ slightly).
 //! - [`sum`]: the f32 sum of a tensor (the benchmark's read-bandwidth ceiling on CUDA).
+//! - [`silu_mul`]: `silu(gate) · up` over `[M, 2I]` rows (the dense MLP's activation).
+//! - copies that reshape the model's activations: [`gather_rows`] (embedding lookup),
+//!   [`narrow_cols`], [`narrow_rows`], [`concat_heads`] (per-head `[a_h | b_h]`, MLA's keys).
+//!   They move elements unchanged, so they take every dtype (fp8 and u32 included).
 //!
-//! CUDA kernels: `cuda/elementwise.cu`. Dtypes on CUDA: f32, bf16 and f16 (fp8 and u32 casts are
-//! [`fmoe_core::Error::Unsupported`] there); [`sum`] on CUDA takes bf16.
+//! CUDA kernels: `cuda/elementwise.cu` and, for the copies, `cuda/copy.cu` (a strided row copy in
+//! the widest word the geometry allows, up to 16 bytes). Dtypes on CUDA: f32, bf16 and f16 (fp8
+//! and u32 casts are [`fmoe_core::Error::Unsupported`] there); [`sum`] on CUDA takes bf16.
 
+mod copy;
 mod cpu;
 mod cuda;
 
-pub(crate) use cuda::variants as cuda_variants;
+pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
+    let mut v = cuda::variants();
+    v.extend(copy::cuda_variants());
+    v
+}
 
 use fmoe_core::{DType, Device, Storage, Tensor};
 
-use crate::Result;
+use crate::{Error, Result};
 
 const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -117,6 +127,180 @@ pub fn sum(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// silu(x[:, :I]) · x[:, I:] for x [M, 2I] → [M, I] (f32 math, one rounding).
+pub fn silu_mul(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "elementwise::silu_mul";
+    let dtype = x.expect_dtype(OP, "x", &FLOATS)?;
+    let &[m, w] = x.expect_rank(OP, "x", 2, "[M, 2I]")? else {
+        unreachable!("rank checked")
+    };
+    if w % 2 != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!("x is [{m}, {w}]: the width must be even (gate | up)"),
+        ));
+    }
+    match x.storage() {
+        Storage::Cuda(s) => Ok(Tensor::from_storage(
+            Storage::Cuda(cuda::silu_mul(OP, s, m, w / 2)?),
+            [m, w / 2],
+        )?),
+        Storage::Cpu(_) => {
+            let y = cpu::silu_mul(&x.to_f32_vec()?, w / 2, dtype);
+            Ok(Tensor::from_f32(&y, [m, w / 2], dtype, &Device::Cpu)?)
+        }
+    }
+}
+
+/// `[R, W]` of a rank-2 tensor, or a shape error naming `name`.
+fn dims2(op: &'static str, name: &str, t: &Tensor, what: &str) -> Result<(usize, usize)> {
+    let &[r, w] = t.expect_rank(op, name, 2, what)? else {
+        unreachable!("rank checked")
+    };
+    Ok((r, w))
+}
+
+/// Embedding lookup: rows `ids` of table [V, H] → [ids.len(), H]; an id ≥ V is an error naming it.
+pub fn gather_rows(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
+    const OP: &str = "elementwise::gather_rows";
+    let (v, h) = dims2(OP, "table", table, "[V, H]")?;
+    if let Some((i, &id)) = ids.iter().enumerate().find(|&(_, &id)| id as usize >= v) {
+        return Err(Error::invalid(
+            OP,
+            format!("id {id} at position {i} is out of range for a table of {v} rows"),
+        ));
+    }
+    let n = ids.len();
+    let parts = [copy::Part {
+        src: 0,
+        rows: copy::Rows::Ids(ids),
+        src_stride: h,
+        src_offset: 0,
+        blocks: 1,
+        block_stride: 0,
+        width: h,
+        dst_offset: 0,
+        dst_block_stride: 0,
+    }];
+    copy::run(OP, &[table], &parts, n, h)
+}
+
+/// Columns start..start+len of 2-D x [M, W] → [M, len].
+pub fn narrow_cols(x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+    const OP: &str = "elementwise::narrow_cols";
+    let (m, w) = dims2(OP, "x", x, "[M, W]")?;
+    if start.checked_add(len).is_none_or(|end| end > w) {
+        return Err(Error::invalid(
+            OP,
+            format!("columns {start}..{start}+{len} are out of range for x [{m}, {w}]"),
+        ));
+    }
+    let parts = [copy::Part {
+        src: 0,
+        rows: copy::Rows::Range(0),
+        src_stride: w,
+        src_offset: start,
+        blocks: 1,
+        block_stride: 0,
+        width: len,
+        dst_offset: 0,
+        dst_block_stride: 0,
+    }];
+    copy::run(OP, &[x], &parts, m, len)
+}
+
+/// Rows start..start+len of x [R, W] (on CUDA a device-to-device copy).
+pub fn narrow_rows(x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
+    const OP: &str = "elementwise::narrow_rows";
+    let (r, w) = dims2(OP, "x", x, "[R, W]")?;
+    if start.checked_add(len).is_none_or(|end| end > r) {
+        return Err(Error::invalid(
+            OP,
+            format!("rows {start}..{start}+{len} are out of range for x [{r}, {w}]"),
+        ));
+    }
+    match x.storage() {
+        Storage::Cuda(s) => Ok(Tensor::from_storage(
+            Storage::Cuda(s.copy_range(start * w..(start + len) * w)?),
+            [len, w],
+        )?),
+        Storage::Cpu(_) => {
+            let parts = [copy::Part {
+                src: 0,
+                rows: copy::Rows::Range(start),
+                src_stride: w,
+                src_offset: 0,
+                blocks: 1,
+                block_stride: 0,
+                width: w,
+                dst_offset: 0,
+                dst_block_stride: 0,
+            }];
+            copy::run(OP, &[x], &parts, len, w)
+        }
+    }
+}
+
+/// Per-head concatenation: a [R, heads·da], b [R, hb·db] with hb ∈ {1, heads} (1 = one b row part
+/// shared by every head) → [R, heads·(da+db)], head h = [a_h | b_h]. heads = 1 is a plain column concat.
+///
+/// A rank-2 b `[R, db]` is the shared part (hb = 1: MLA's rotated key, the same for every head);
+/// per-head parts are passed as rank 3, b `[R, heads, db]` (a free [`Tensor::reshape`]), because
+/// `[R, heads·db]` alone cannot be told apart from a shared part of width heads·db. A rank-3
+/// `[R, 1, db]` is shared too.
+pub fn concat_heads(a: &Tensor, b: &Tensor, heads: usize) -> Result<Tensor> {
+    const OP: &str = "elementwise::concat_heads";
+    let (r, wa) = dims2(OP, "a", a, "[R, heads·da]")?;
+    b.expect_dtype(OP, "b", &[a.dtype()])?;
+    b.expect_device(OP, "b", a.device())?;
+    if heads == 0 || wa % heads != 0 {
+        return Err(Error::invalid(
+            OP,
+            format!("a is [{r}, {wa}]: its width is not heads·da for heads = {heads}"),
+        ));
+    }
+    let da = wa / heads;
+    let (hb, db) = match *b.dims() {
+        [br, db] if br == r => (1, db),
+        [br, hb, db] if br == r && (hb == 1 || hb == heads) => (hb, db),
+        _ => {
+            return Err(fmoe_core::Error::ShapeMismatch {
+                op: OP,
+                tensor: "b".into(),
+                expected: format!("[{r}, db] (shared) or [{r}, 1 or {heads}, db]"),
+                got: b.shape().clone(),
+            }
+            .into());
+        }
+    };
+    let out_w = heads * (da + db);
+    let parts = [
+        copy::Part {
+            src: 0,
+            rows: copy::Rows::Range(0),
+            src_stride: wa,
+            src_offset: 0,
+            blocks: heads,
+            block_stride: da,
+            width: da,
+            dst_offset: 0,
+            dst_block_stride: da + db,
+        },
+        copy::Part {
+            src: 1,
+            rows: copy::Rows::Range(0),
+            src_stride: hb * db,
+            src_offset: 0,
+            blocks: heads,
+            block_stride: if hb == 1 { 0 } else { db },
+            width: db,
+            dst_offset: da,
+            dst_block_stride: da + db,
+        },
+    ];
+    copy::run(OP, &[a, b], &parts, r, out_w)
+}
+
 /// The CPU twin's normal value `i` of `seed` (what [`randn`] writes before scaling and rounding).
 pub fn normal_at(seed: u64, i: u64) -> f32 {
     cpu::normal(seed, i)
@@ -178,5 +362,122 @@ mod tests {
         let h = to_dtype(&t, DType::F16).unwrap();
         assert_eq!(h.dtype(), DType::F16);
         assert_eq!(h.to_f32_vec().unwrap(), vec![1.0, 2.5, -0.5]);
+    }
+
+    fn iota(r: usize, w: usize, dtype: DType) -> Tensor {
+        let v: Vec<f32> = (0..r * w).map(|i| i as f32).collect();
+        Tensor::from_f32(&v, [r, w], dtype, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn silu_mul_rounds_once() {
+        let x = Tensor::from_f32(
+            &[1.0, -2.0, 0.5, 3.0, 0.0, 7.0, -1.0, 2.0],
+            [2, 4],
+            DType::BF16,
+            &Device::Cpu,
+        )
+        .unwrap();
+        let y = silu_mul(&x).unwrap();
+        assert_eq!(y.dims(), &[2, 2]);
+        let s = |v: f64| v / (1.0 + (-v).exp());
+        let want = [s(1.0) * 0.5, s(-2.0) * 3.0, 0.0, s(7.0) * 2.0];
+        for (g, w) in y.to_f32_vec().unwrap().iter().zip(want) {
+            assert_eq!(*g, fmoe_core::bf16::from_f64(w).to_f32(), "{w}");
+        }
+        assert!(silu_mul(&iota(2, 3, DType::F32)).is_err());
+        let empty = silu_mul(&iota(0, 4, DType::F32)).unwrap();
+        assert_eq!(empty.dims(), &[0, 2]);
+    }
+
+    #[test]
+    fn copies_move_the_right_elements_in_every_dtype() {
+        for dtype in [
+            DType::F32,
+            DType::BF16,
+            DType::F16,
+            DType::F8E4M3,
+            DType::U32,
+        ] {
+            // Values 0..r·w are exact in every dtype for small r·w (fp8: below 16).
+            let t = iota(5, 3, dtype);
+            let v = t.to_f32_vec().unwrap();
+            let g = gather_rows(&t, &[4, 0, 4]).unwrap();
+            assert_eq!(g.dtype(), dtype);
+            let want: Vec<f32> = [4, 0, 4]
+                .iter()
+                .flat_map(|&r| v[r * 3..r * 3 + 3].to_vec())
+                .collect();
+            assert_eq!(g.to_f32_vec().unwrap(), want);
+            let nc = narrow_cols(&t, 1, 2).unwrap();
+            let want: Vec<f32> = (0..5)
+                .flat_map(|r| v[r * 3 + 1..r * 3 + 3].to_vec())
+                .collect();
+            assert_eq!(nc.to_f32_vec().unwrap(), want);
+            let nr = narrow_rows(&t, 3, 2).unwrap();
+            assert_eq!(nr.dims(), &[2, 3]);
+            assert_eq!(nr.to_f32_vec().unwrap(), v[9..15].to_vec());
+        }
+        let t = iota(2, 3, DType::F32);
+        let msg = gather_rows(&t, &[0, 2]).unwrap_err().to_string();
+        assert!(
+            msg.contains("id 2 at position 1") && msg.contains("2 rows"),
+            "{msg}"
+        );
+        assert!(narrow_cols(&t, 2, 2).is_err());
+        assert!(narrow_rows(&t, 1, 2).is_err());
+        assert_eq!(gather_rows(&t, &[]).unwrap().dims(), &[0, 3]);
+    }
+
+    #[test]
+    fn concat_heads_per_head_and_shared() {
+        let (r, heads, da, db) = (3, 2, 3, 2);
+        let a = iota(r, heads * da, DType::F32);
+        let bv: Vec<f32> = (0..r * heads * db).map(|i| 100.0 + i as f32).collect();
+        let (av, cpu) = (a.to_f32_vec().unwrap(), Device::Cpu);
+        let per_head = Tensor::from_vec(bv.clone(), [r, heads, db], &cpu).unwrap();
+        let y = concat_heads(&a, &per_head, heads).unwrap();
+        assert_eq!(y.dims(), &[r, heads * (da + db)]);
+        let y = y.to_f32_vec().unwrap();
+        let shared = Tensor::from_vec(bv[..r * db].to_vec(), [r, db], &cpu).unwrap();
+        let ys = concat_heads(&a, &shared, heads)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
+        for row in 0..r {
+            for h in 0..heads {
+                let o = row * heads * (da + db) + h * (da + db);
+                assert_eq!(&y[o..o + da], &av[row * heads * da + h * da..][..da]);
+                assert_eq!(
+                    &y[o + da..o + da + db],
+                    &bv[row * heads * db + h * db..][..db]
+                );
+                assert_eq!(&ys[o..o + da], &av[row * heads * da + h * da..][..da]);
+                assert_eq!(&ys[o + da..o + da + db], &bv[row * db..][..db]);
+            }
+        }
+        // heads = 1: a plain column concatenation.
+        let plain = concat_heads(&a, &shared, 1).unwrap().to_f32_vec().unwrap();
+        for row in 0..r {
+            let o = row * (heads * da + db);
+            assert_eq!(
+                &plain[o..o + heads * da],
+                &av[row * heads * da..][..heads * da]
+            );
+            assert_eq!(
+                &plain[o + heads * da..o + heads * da + db],
+                &bv[row * db..][..db]
+            );
+        }
+        assert!(concat_heads(&a, &shared, 4).is_err());
+        let bad = Tensor::from_vec(bv.clone(), [r, 3, 4], &cpu);
+        assert!(bad.is_err() || concat_heads(&a, &bad.unwrap(), heads).is_err());
+        let b16 = shared.to_dtype(DType::BF16).unwrap();
+        assert!(
+            concat_heads(&a, &b16, heads)
+                .unwrap_err()
+                .to_string()
+                .contains("`b`")
+        );
     }
 }

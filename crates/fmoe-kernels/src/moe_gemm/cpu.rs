@@ -22,7 +22,7 @@ fn tile_rows(cols: usize) -> usize {
     ((TILE_FLOATS / cols.max(1)).clamp(4, 64) / 4) * 4
 }
 
-pub(super) fn silu(x: f32) -> f32 {
+pub(crate) fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
@@ -89,7 +89,7 @@ impl ActRows {
 }
 
 /// Converts `dst.len()` elements of `s` starting at `start` into `dst`.
-pub(super) fn convert_into(s: &CpuStorage, start: usize, dst: &mut [f32]) {
+pub(crate) fn convert_into(s: &CpuStorage, start: usize, dst: &mut [f32]) {
     use half::slice::HalfFloatSliceExt;
     let end = start + dst.len();
     match s {

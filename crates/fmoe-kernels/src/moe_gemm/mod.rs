@@ -27,12 +27,12 @@
 //! f16/f32 operands, fp8 mixed with bf16, and fp8 on other GPUs are
 //! [`fmoe_core::Error::Unsupported`] naming what is missing ([`check_device_support`]).
 
-mod cpu;
+pub(crate) mod cpu;
 mod cpu_portable;
 mod cuda;
 mod cuda_fp8;
 mod operand;
-mod simd;
+pub(crate) mod simd;
 
 pub use cuda::{
     BM as CUDA_BLOCK_M, GemmConfig, GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE,
