@@ -341,7 +341,9 @@ impl Tensor {
         rows: usize,
     ) -> Result<()> {
         const OP: &str = "Tensor::copy_rows_from";
-        let dst_dims = self.expect_rank(OP, "destination", 2, "[rows, width]")?.to_vec();
+        let dst_dims = self
+            .expect_rank(OP, "destination", 2, "[rows, width]")?
+            .to_vec();
         let src_dims = src.expect_rank(OP, "source", 2, "[rows, width]")?;
         let (width, src_width) = (dst_dims[1], src_dims[1]);
         src.expect_dtype(OP, "source", &[self.dtype()])?;
@@ -579,14 +581,20 @@ mod tests {
             dst.cpu_slice::<u32>("t", "d").unwrap(),
             &[0, 0, 0, 0, 6, 7, 10, 11]
         );
-        let err = dst.copy_rows_from(3, &src, 0, 0, 2).unwrap_err().to_string();
+        let err = dst
+            .copy_rows_from(3, &src, 0, 0, 2)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("out of bounds"), "{err}");
         assert!(dst.copy_rows_from(0, &src, 0, 3, 1).is_err());
         let f = Tensor::zeros([3, 4], DType::F32, &Device::Cpu).unwrap();
         assert!(dst.copy_rows_from(0, &f, 0, 0, 1).is_err());
         // A clone alive: the write would be visible through it, so it is refused.
         let view = dst.clone();
-        let err = dst.copy_rows_from(0, &src, 0, 0, 1).unwrap_err().to_string();
+        let err = dst
+            .copy_rows_from(0, &src, 0, 0, 1)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("shared"), "{err}");
         drop(view);
         dst.copy_rows_from(0, &src, 0, 0, 1).unwrap();

@@ -276,7 +276,8 @@ impl CudaStorage {
         }
         let size = self.dtype.size_in_bytes();
         let stream = self.backend.stream().clone();
-        let (src_ptr, _src_record) = cudarc::driver::DevicePtr::device_ptr(src.buf.as_ref(), &stream);
+        let (src_ptr, _src_record) =
+            cudarc::driver::DevicePtr::device_ptr(src.buf.as_ref(), &stream);
         let buf = self.buffer_mut()?;
         let (dst_ptr, _dst_record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &stream);
         use cudarc::driver::sys;
@@ -465,8 +466,12 @@ mod tests {
         let mut dst_cpu = Tensor::full([6, 3], DType::BF16, -1.0, &Device::Cpu).unwrap();
         let mut dst_gpu = dst_cpu.to_device(cuda).unwrap();
         for (dst_row, src_row, src_col, rows) in [(1, 2, 4, 3), (0, 0, 0, 1), (5, 4, 1, 1)] {
-            dst_cpu.copy_rows_from(dst_row, &src_cpu, src_row, src_col, rows).unwrap();
-            dst_gpu.copy_rows_from(dst_row, &src_gpu, src_row, src_col, rows).unwrap();
+            dst_cpu
+                .copy_rows_from(dst_row, &src_cpu, src_row, src_col, rows)
+                .unwrap();
+            dst_gpu
+                .copy_rows_from(dst_row, &src_gpu, src_row, src_col, rows)
+                .unwrap();
         }
         assert_eq!(dst_gpu.to_f32_vec().unwrap(), dst_cpu.to_f32_vec().unwrap());
         assert!(dst_gpu.copy_rows_from(4, &src_gpu, 0, 0, 3).is_err());
