@@ -5,6 +5,7 @@
 //   fmoe_randn       out[i] = DT(scale * normal(seed, i)), a counter-based normal (DT)
 //   fmoe_sum_bf16    *out += sum of x (f32 accumulation; *out zeroed by the caller)
 //   fmoe_silu_mul    y[r, c] = DT(silu(x[r, c]) * x[r, I + c]) for x [rows, 2I]   (DT)
+//   fmoe_rand_uniform[_e4m3]  out[i] = DT(offset + scale * uniform(seed, i))   (DT, or e4m3)
 //
 // Dtype codes (-D SRC_DT / DST_DT / DT): 0 = f32, 1 = bf16, 2 = f16. All kernels are grid-stride
 // loops over 64-bit indices: any grid size covers any length.
@@ -13,32 +14,18 @@
 // (0, 1]; u2 = bits 16..39 of h over 2^24, in [0, 1); normal = sqrt(-2 ln u1) cos(2 pi u2) in f32
 // (Box-Muller, one value per index). The CPU twin computes the same expression with Rust's f32
 // ln/cos/sqrt; the two agree to a few f32 ulps.
+//
+// uniform (the dummy weights' generator): z = finalizer(seed ^ i * 0x9e3779b97f4a7c15) (splitmix64's
+// finalizer without its increment), u = (z >> 40) / 2^23 - 1 in [-1, 1), exact in f32; then
+// offset + scale * u with IEEE multiply and add, not contracted into an fma, so every device and
+// the CPU twin give the same f32, and the same codes after the round-to-nearest-even store.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common/elem.cuh"
+#include "common/fp8.cuh"
 #include "common/math.cuh"
-
-template <int D>
-struct Elem;
-template <>
-struct Elem<0> {
-    typedef float T;
-    static __device__ __forceinline__ float load(T v) { return v; }
-    static __device__ __forceinline__ T store(float v) { return v; }
-};
-template <>
-struct Elem<1> {
-    typedef __nv_bfloat16 T;
-    static __device__ __forceinline__ float load(T v) { return __bfloat162float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2bfloat16_rn(v); }
-};
-template <>
-struct Elem<2> {
-    typedef __half T;
-    static __device__ __forceinline__ float load(T v) { return __half2float(v); }
-    static __device__ __forceinline__ T store(float v) { return __float2half_rn(v); }
-};
 
 #define GRID_STRIDE(i, n)                                                                     \
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
@@ -52,8 +39,29 @@ extern "C" __global__ void fmoe_cast(const typename Elem<SRC_DT>::T* __restrict_
 }
 #endif
 
+__device__ __forceinline__ float uniform_at(unsigned long long seed, unsigned long long i, float scale,
+                                            float offset) {
+    unsigned long long z = seed ^ (i * 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    const float u = (float)(z >> 40) * 1.1920928955078125e-7f - 1.0f;  // 2^-23
+    return __fadd_rn(offset, __fmul_rn(scale, u));
+}
+
+extern "C" __global__ void fmoe_rand_uniform_e4m3(unsigned char* __restrict__ out,
+                                                  unsigned long long n, unsigned long long seed,
+                                                  float scale, float offset) {
+    GRID_STRIDE(i, n) out[i] = (unsigned char)(e4m3x2(uniform_at(seed, i, scale, offset), 0.0f) & 0xffu);
+}
+
 #ifdef DT
 typedef Elem<DT> E;
+
+extern "C" __global__ void fmoe_rand_uniform(E::T* __restrict__ out, unsigned long long n,
+                                             unsigned long long seed, float scale, float offset) {
+    GRID_STRIDE(i, n) out[i] = E::store(uniform_at(seed, i, scale, offset));
+}
 
 extern "C" __global__ void fmoe_add(const E::T* __restrict__ a, const E::T* __restrict__ b,
                                     E::T* __restrict__ out, unsigned long long n) {

@@ -4,7 +4,7 @@
 //! all of them for sm_90a with [`crate::nvrtc::compile_only`], on a machine without a GPU (CI).
 
 use crate::nvrtc::KernelSpec;
-use crate::{attention, elementwise, moe_align, moe_gemm, quant_fp8, routing};
+use crate::{attention, elementwise, moe_align, moe_gemm, norm, quant_fp8, rotary, routing};
 
 /// One loadable kernel: an entry point of a source compiled with some defines. Variants of one
 /// program (same family, source and defines) differ only in `entry`.
@@ -48,6 +48,8 @@ pub fn all() -> Vec<KernelVariant> {
     v.extend(moe_align::cuda_variants(&moe_gemm::cuda_block_ms()));
     v.extend(quant_fp8::cuda::variants());
     v.extend(elementwise::cuda_variants());
+    v.extend(norm::cuda::variants());
+    v.extend(rotary::cuda::variants());
     v.extend(moe_gemm::cuda_variants());
     v.extend(attention::cuda_variants());
     v

@@ -67,6 +67,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         "common/atomics.cuh",
         include_str!("../cuda/common/atomics.cuh"),
     ),
+    ("common/elem.cuh", include_str!("../cuda/common/elem.cuh")),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     (
         "common/k_split.cuh",

@@ -185,7 +185,9 @@ fn catalog_covers_every_source_and_gemm_config() {
         "moe_gemm_fp8_block_sm90",
         "moe_gemm_fp8_sm90",
         "moe_unfused",
+        "norm",
         "quant_fp8",
+        "rotary",
         "topk_softmax",
     ];
     assert_eq!(families, expected.into_iter().collect());

@@ -155,6 +155,7 @@ fn weight_source(dir: &Path, format: LoadFormat, dtype: Option<DType>) -> Result
         LoadFormat::Dummy { seed } => WeightSource::Dummy(DummyWeights {
             seed,
             dtype: dtype.unwrap_or(DType::BF16),
+            device: fmoe_core::Device::Cpu,
         }),
     })
 }

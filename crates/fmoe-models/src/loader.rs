@@ -8,7 +8,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, WithDType, bf16, f16};
+use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, bf16, f16};
+use fmoe_kernels::elementwise;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use memmap2::Mmap;
 use rayon::prelude::*;
@@ -309,11 +310,17 @@ fn shard_paths(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
 /// Random weights from a seed, for `--load-format dummy`: any name exists, with the requested
 /// shape and the first requested dtype (or `dtype`, when allowed). Values are uniform with a
 /// standard deviation of 0.02 for weights, 1 ± 0.1 (std) for norms, and for fp8 checkpoints e4m3
-/// codes of std 28 with scales of 0.02/28; each tensor's values depend only on (seed, name).
+/// codes of std 28 with scales of 0.02/28 (so the dequantized weights have std 0.02, as a
+/// checkpoint's would); each tensor's values depend only on (seed, name).
+///
+/// Tensors are generated on `device` ([`elementwise::rand_uniform`], [`Tensor::full`]): on CUDA a
+/// dummy model never exists on the host, and the values are bit for bit those of `Device::Cpu`.
 pub struct DummyWeights {
     pub seed: u64,
     /// The preferred dtype for floating-point weights (the config's `dtype`, else bf16).
     pub dtype: DType,
+    /// Where the tensors are created.
+    pub device: Device,
 }
 
 impl DummyWeights {
@@ -324,54 +331,39 @@ impl DummyWeights {
             dtypes[0]
         };
         let seed = self.seed ^ fnv1a(name);
-        let n: usize = dims.iter().product();
-        // Uniform values with the stated standard deviation (a hash per element: cheap, so a
-        // dummy model of billions of parameters builds in seconds).
-        let normal = |std: f32, offset: f32| -> Vec<f32> {
+        // (std, mean) of uniform values: a hash per element, cheap, so a dummy model of billions
+        // of parameters builds in seconds.
+        let uniform = |std: f32, mean: f32, dtype: DType| -> Result<Tensor> {
             let a = std * 3f32.sqrt();
-            (0..n as u64)
-                .into_par_iter()
-                .map(|i| offset + a * uniform(seed, i))
-                .collect()
+            Ok(elementwise::rand_uniform(
+                dims,
+                dtype,
+                a,
+                mean,
+                seed,
+                &self.device,
+            )?)
         };
-        let values = if name.contains("scale") {
+        let norm = name.ends_with("norm.weight") || name.ends_with("layernorm.weight");
+        Ok(if name.contains("scale") {
             // fp8 scales: e4m3 codes of std 28 (below) times this are weights of std 0.02.
-            vec![0.02 / 28.0; n]
-        } else if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-            normal(0.1, 1.0)
-        } else if dtype == DType::F8E4M3 {
-            normal(28.0, 0.0)
+            Tensor::full(dims, dtype, 0.02 / 28.0, &self.device)?
         } else if dtype == DType::U32 {
-            vec![0.0; n]
+            // Integer tensors: the float values truncated (zeros, but for a U32 "norm").
+            let values = if norm {
+                uniform(0.1, 1.0, DType::F32)?.to_dtype(DType::U32)?
+            } else {
+                Tensor::zeros(dims, DType::U32, &self.device)?
+            };
+            values.to_device(self.device)?
+        } else if norm {
+            uniform(0.1, 1.0, dtype)?
+        } else if dtype == DType::F8E4M3 {
+            uniform(28.0, 0.0, dtype)?
         } else {
-            normal(0.02, 0.0)
-        };
-        // Converted in parallel: a full-width expert stack is billions of values, and the
-        // software f32 → e4m3 conversion alone took minutes serially.
-        fn convert<T: WithDType>(v: &[f32]) -> CpuStorage {
-            T::into_storage(v.par_iter().map(|&x| T::from_f32(x)).collect())
-        }
-        let storage = match dtype {
-            DType::F8E4M3 => convert::<F8E4M3>(&values),
-            DType::BF16 => convert::<bf16>(&values),
-            DType::F16 => convert::<f16>(&values),
-            _ => return Ok(Tensor::from_f32(&values, dims, dtype, &Device::Cpu)?),
-        };
-        Ok(Tensor::from_cpu_storage(
-            storage,
-            dims.to_vec(),
-            &Device::Cpu,
-        )?)
+            uniform(0.02, 0.0, dtype)?
+        })
     }
-}
-
-/// A uniform value in [-1, 1) from (seed, i) (splitmix64 finalizer).
-fn uniform(seed: u64, i: u64) -> f32 {
-    let mut z = seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
-    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
 }
 
 fn fnv1a(s: &str) -> u64 {
@@ -498,4 +490,126 @@ pub fn progress_bar(len: u64, visible: bool) -> ProgressBar {
         bar.set_style(style);
     }
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dummy generator as it was written here before moving to fmoe_kernels: dummy values of
+    /// a (seed, name) must not change.
+    fn old_values(seed: u64, n: usize, std: f32, offset: f32) -> Vec<f32> {
+        let uniform = |seed: u64, i: u64| {
+            let mut z = seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let a = std * 3f32.sqrt();
+        (0..n as u64)
+            .map(|i| offset + a * uniform(seed, i))
+            .collect()
+    }
+
+    fn cases() -> Vec<(&'static str, Vec<usize>, DType, f32, f32)> {
+        vec![
+            (
+                "model.layers.0.mlp.gate_proj.weight",
+                vec![7, 33],
+                DType::BF16,
+                0.02,
+                0.0,
+            ),
+            (
+                "model.layers.0.input_layernorm.weight",
+                vec![64],
+                DType::BF16,
+                0.1,
+                1.0,
+            ),
+            ("model.norm.weight", vec![64], DType::F32, 0.1, 1.0),
+            ("lm_head.weight", vec![5, 16], DType::F16, 0.02, 0.0),
+            (
+                "model.layers.1.mlp.experts.0.w1.weight",
+                vec![9, 130],
+                DType::F8E4M3,
+                28.0,
+                0.0,
+            ),
+        ]
+    }
+
+    #[test]
+    fn cpu_dummy_values_are_unchanged() {
+        let d = DummyWeights {
+            seed: 3,
+            dtype: DType::BF16,
+            device: Device::Cpu,
+        };
+        for (name, dims, dtype, std, offset) in cases() {
+            let t = d.get(name, &dims, &[dtype]).unwrap();
+            assert_eq!(
+                (t.dims(), t.dtype(), t.device()),
+                (&dims[..], dtype, Device::Cpu)
+            );
+            let n = dims.iter().product();
+            let want = Tensor::from_f32(
+                &old_values(3 ^ fnv1a(name), n, std, offset),
+                dims,
+                dtype,
+                &Device::Cpu,
+            )
+            .unwrap();
+            assert_eq!(
+                t.to_f32_vec().unwrap(),
+                want.to_f32_vec().unwrap(),
+                "{name}"
+            );
+        }
+        let s = d
+            .get(
+                "model.layers.1.mlp.experts.0.w1.weight_scale_inv",
+                &[2, 3],
+                &[DType::F32],
+            )
+            .unwrap();
+        assert_eq!(s.to_f32_vec().unwrap(), vec![0.02 / 28.0; 6]);
+        let u = d.get("some.index", &[4], &[DType::U32]).unwrap();
+        assert_eq!(u.to_f32_vec().unwrap(), vec![0.0; 4]);
+    }
+
+    /// On a GPU the same tensors, generated there. Skips without one (FMOE_REQUIRE_CUDA=1 makes
+    /// that a failure).
+    #[test]
+    fn cuda_dummy_values_equal_the_cpu_ones() {
+        if let Err(e) = fmoe_core::cuda::cuda_backend(0) {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            return;
+        }
+        let mk = |device| DummyWeights {
+            seed: 11,
+            dtype: DType::BF16,
+            device,
+        };
+        let (cpu, gpu) = (mk(Device::Cpu), mk(Device::Cuda(0)));
+        let mut all = cases();
+        all.push(("big.weight", vec![1000, 1001], DType::BF16, 0.02, 0.0));
+        all.push(("big.fp8.weight", vec![1000, 1001], DType::F8E4M3, 28.0, 0.0));
+        all.push(("x.weight_scale_inv", vec![8, 8], DType::F32, 0.0, 0.0));
+        for (name, dims, dtype, _, _) in all {
+            let c = cpu.get(name, &dims, &[dtype]).unwrap();
+            let g = gpu.get(name, &dims, &[dtype]).unwrap();
+            assert_eq!(g.device(), Device::Cuda(0));
+            assert_eq!(g.dtype(), c.dtype());
+            // Bitwise: compare the raw storages.
+            let gc = g.to_device(Device::Cpu).unwrap();
+            let bits = |t: &Tensor| format!("{:?}", t.storage());
+            assert_eq!(bits(&gc), bits(&c), "{name}");
+        }
+    }
 }

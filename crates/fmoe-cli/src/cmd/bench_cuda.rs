@@ -17,9 +17,10 @@
 //! - Ceilings, measured once per run before the shapes (or read from `--ceilings-json`, e.g. the
 //!   peers script's first output line of the same device call): copy bandwidth (a 4 GiB
 //!   device-to-device copy, bytes read + written), read bandwidth (the `elementwise::sum` kernel
-//!   over the same 4 GiB), bf16 GEMM rate (cuBLAS `cublasGemmEx` bf16 8192³, f32 accumulate;
-//!   libcublas is loaded at run time from the loader path, `$FMOE_CUBLAS_DIR` or
-//!   `$CUDA_HOME/lib64`; if none loads, the GEMM ceiling and the floor are null). The fp8 GEMM
+//!   over the same 4 GiB), bf16 GEMM rate (cuBLAS `cublasGemmEx` bf16 8192³, f32 accumulate,
+//!   through `fmoe_kernels::linear`; libcublas is loaded at run time by `fmoe_kernels::cublas`
+//!   from the loader path, `$FMOE_CUBLAS_DIR` or `$CUDA_HOME/lib64`; if none loads, the GEMM
+//!   ceiling and the floor are null). The fp8 GEMM
 //!   rate is not measured here (that needs cuBLASLt's fp8 matmul with its scale attributes, not
 //!   wired): it comes only from `--ceilings-json` (`fp8_TFLOPs`, which the peers script measures
 //!   with `torch._scaled_mm` 8192³); without it the fp8 rows' floor is null. As in the peers
@@ -34,14 +35,15 @@
 use std::fs::File;
 use std::io::Write;
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use anyhow::{Context, Result, anyhow, bail};
 use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
-use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_backend, cuda_home};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_backend};
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Storage, Tensor};
 use fmoe_kernels::elementwise;
+use fmoe_kernels::linear::linear;
 use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::moe_gemm::CUDA_BLOCK_M;
 use fmoe_kernels::moe_gemm::WeightOperand;
@@ -467,116 +469,22 @@ fn measure_ceilings(backend: &Arc<CudaBackend>) -> Result<Ceilings> {
     })
 }
 
-/// Makes libcublas loadable by name: already on the loader path, or opened by full path (its
-/// libcublasLt first) from `$FMOE_CUBLAS_DIR`, `$CUDA_HOME/{lib64,lib,targets/x86_64-linux/lib}`.
-fn load_cublas() -> std::result::Result<(), String> {
-    use fmoe_core::cuda::cudarc::cublas::sys::is_culib_present;
-    static PRELOADED: OnceLock<Vec<libloading::Library>> = OnceLock::new();
-    // SAFETY: only dlopens candidate names.
-    if unsafe { is_culib_present() } {
-        return Ok(());
-    }
-    let home = cuda_home();
-    let mut dirs: Vec<std::path::PathBuf> = std::env::var_os("FMOE_CUBLAS_DIR")
-        .filter(|v| !v.is_empty())
-        .map(std::path::PathBuf::from)
-        .into_iter()
-        .collect();
-    dirs.extend(["lib64", "lib", "targets/x86_64-linux/lib"].map(|d| home.join(d)));
-    for dir in &dirs {
-        for ver in ["13", "12"] {
-            let cublas = dir.join(format!("libcublas.so.{ver}"));
-            if !cublas.exists() {
-                continue;
-            }
-            let mut libs = Vec::new();
-            let lt = dir.join(format!("libcublasLt.so.{ver}"));
-            // SAFETY: loading cuBLAS runs only its initializers.
-            if let Ok(l) = unsafe { libloading::Library::new(&lt) } {
-                libs.push(l);
-            }
-            // SAFETY: as above.
-            if let Ok(l) = unsafe { libloading::Library::new(&cublas) } {
-                libs.push(l);
-                let _ = PRELOADED.set(libs);
-                // SAFETY: only dlopens candidate names.
-                if unsafe { is_culib_present() } {
-                    return Ok(());
-                }
-            }
-        }
-    }
-    Err(format!(
-        "libcublas not found on the loader path nor in {}",
-        dirs.iter()
-            .map(|d| d.display().to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ))
-}
-
-/// bf16 GEMM rate of cuBLAS, 8192³ (C = A·B, bf16 in and out, f32 compute), TFLOP/s.
+/// bf16 GEMM rate of cuBLAS, 8192³ (`linear`: y = x·wᵀ, bf16 in and out, f32 compute), TFLOP/s.
 fn cublas_bf16_tflops(backend: &Arc<CudaBackend>) -> std::result::Result<f64, String> {
-    load_cublas()?;
-    let backend = backend.clone();
-    std::panic::catch_unwind(move || cublas_gemm_run(&backend).map_err(|e| format!("{e:#}")))
-        .unwrap_or_else(|_| Err("cuBLAS panicked (missing symbol?)".into()))
+    cublas_gemm_run(backend).map_err(|e| format!("{e:#}"))
 }
 
 fn cublas_gemm_run(backend: &Arc<CudaBackend>) -> Result<f64> {
-    use fmoe_core::cuda::cudarc::cublas::{result as cb, sys as cbs};
-    use fmoe_core::cuda::cudarc::driver::{DevicePtr, DevicePtrMut};
-    use std::ffi::c_void;
     const N: usize = 8192;
     let device = backend.device();
-    let a = elementwise::randn(&[N * N], DType::BF16, 1.0, 0xa, &device)?;
-    let b = elementwise::randn(&[N * N], DType::BF16, 1.0, 0xb, &device)?;
-    let mut c = CudaStorage::alloc(backend, DType::BF16, N * N)?;
-    let (Storage::Cuda(sa), Storage::Cuda(sb)) = (a.storage(), b.storage()) else {
-        bail!("GEMM operands are not on the device");
-    };
-    let stream = backend.stream().clone();
-    let handle = cb::create_handle().map_err(|e| anyhow!("cublasCreate: {e:?}"))?;
-    // SAFETY: a live handle and the backend's live stream (cuBLAS takes the driver's CUstream).
-    unsafe { cb::set_stream(handle, stream.cu_stream() as cbs::cudaStream_t) }
-        .map_err(|e| anyhow!("cublasSetStream: {e:?}"))?;
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let dim = N as i32;
-    let (pa, _ra) = sa.buffer().device_ptr(&stream);
-    let (pb, _rb) = sb.buffer().device_ptr(&stream);
-    let (pc, _rc) = c.buffer_mut()?.device_ptr_mut(&stream);
+    let a = elementwise::randn(&[N, N], DType::BF16, 1.0, 0xa, &device)?;
+    let b = elementwise::randn(&[N, N], DType::BF16, 1.0, 0xb, &device)?;
     let gemm = || -> Result<()> {
-        // SAFETY: A, B, C are live N×N bf16 device buffers on this stream; alpha/beta are host f32
-        // (the handle's default pointer mode) and outlive the call; leading dimensions are N.
-        unsafe {
-            cb::gemm_ex(
-                handle,
-                cbs::cublasOperation_t::CUBLAS_OP_N,
-                cbs::cublasOperation_t::CUBLAS_OP_N,
-                dim,
-                dim,
-                dim,
-                (&alpha as *const f32).cast::<c_void>(),
-                pa as *const c_void,
-                cbs::cudaDataType::CUDA_R_16BF,
-                dim,
-                pb as *const c_void,
-                cbs::cudaDataType::CUDA_R_16BF,
-                dim,
-                (&beta as *const f32).cast::<c_void>(),
-                pc as *mut c_void,
-                cbs::cudaDataType::CUDA_R_16BF,
-                dim,
-                cbs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cbs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| anyhow!("cublasGemmEx: {e:?}"))
+        linear(&a, &b, DType::BF16)?;
+        Ok(())
     };
     gemm()?;
     gemm()?;
-    let ms = median_event_ms(backend, 10, gemm);
-    // SAFETY: created above, destroyed once, after the last use (median_event_ms waited for it).
-    let _ = unsafe { cb::destroy_handle(handle) };
-    Ok(2.0 * (N as f64).powi(3) / (ms? * 1e-3) / 1e12)
+    let ms = median_event_ms(backend, 10, gemm)?;
+    Ok(2.0 * (N as f64).powi(3) / (ms * 1e-3) / 1e12)
 }

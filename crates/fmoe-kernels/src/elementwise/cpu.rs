@@ -46,3 +46,39 @@ pub(super) fn silu_mul(x: &[f32], i: usize, dtype: fmoe_core::DType) -> Vec<f32>
     }
     y
 }
+
+/// The kernel's `uniform_at` before scaling: a value in [-1, 1) from (seed, i), exact in f32.
+pub(super) fn uniform(seed: u64, i: u64) -> f32 {
+    let mut z = seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+/// `offset + scale·uniform(seed, i)` for i < n, converted to `dtype` (in parallel: a dummy expert
+/// stack is billions of values, and the software f32 → e4m3 conversion is slow serially).
+pub(super) fn rand_uniform(
+    n: usize,
+    dtype: fmoe_core::DType,
+    [scale, offset]: [f32; 2],
+    seed: u64,
+) -> fmoe_core::CpuStorage {
+    use fmoe_core::{DType, F8E4M3, WithDType, bf16, f16};
+    fn fill<T: WithDType + Send>(n: usize, f: impl Fn(u64) -> f32 + Sync) -> fmoe_core::CpuStorage {
+        T::into_storage(
+            (0..n as u64)
+                .into_par_iter()
+                .map(|i| T::from_f32(f(i)))
+                .collect(),
+        )
+    }
+    let value = |i: u64| offset + scale * uniform(seed, i);
+    match dtype {
+        DType::BF16 => fill::<bf16>(n, value),
+        DType::F16 => fill::<f16>(n, value),
+        DType::F8E4M3 => fill::<F8E4M3>(n, value),
+        DType::U32 => fill::<u32>(n, value),
+        DType::F32 => fill::<f32>(n, value),
+    }
+}

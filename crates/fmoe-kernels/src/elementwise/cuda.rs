@@ -15,7 +15,7 @@ const FAMILY: &str = "elementwise";
 const SRC: &str = include_str!("../../cuda/elementwise.cu");
 
 /// The kernel's dtype code (`-D SRC_DT/DST_DT/DT`), if it has one.
-fn dtype_code(dtype: DType) -> Option<&'static str> {
+pub(crate) fn dtype_code(dtype: DType) -> Option<&'static str> {
     match dtype {
         DType::F32 => Some("0"),
         DType::BF16 => Some("1"),
@@ -25,7 +25,7 @@ fn dtype_code(dtype: DType) -> Option<&'static str> {
 }
 
 /// [`dtype_code`], or `Unsupported` naming what is missing.
-fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
+pub(crate) fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str> {
     dtype_code(dtype).ok_or_else(|| {
         CoreError::Unsupported {
             op,
@@ -36,8 +36,8 @@ fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'static str>
     })
 }
 
-/// Every variant: casts between the kernel dtypes, add, randn and silu_mul per dtype, the bf16
-/// sum.
+/// Every variant: casts between the kernel dtypes, add, randn, silu_mul and rand_uniform per
+/// dtype, the bf16 sum, the e4m3 rand_uniform.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let codes: Vec<&'static str> = super::FLOATS
         .iter()
@@ -62,8 +62,10 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
         v.push(variant("fmoe_add", vec![("DT", c.to_string())]));
         v.push(variant("fmoe_randn", vec![("DT", c.to_string())]));
         v.push(variant("fmoe_silu_mul", vec![("DT", c.to_string())]));
+        v.push(variant("fmoe_rand_uniform", vec![("DT", c.to_string())]));
     }
     v.push(variant("fmoe_sum_bf16", Vec::new()));
+    v.push(variant("fmoe_rand_uniform_e4m3", Vec::new()));
     v
 }
 
@@ -202,5 +204,38 @@ pub(super) fn silu_mul(
     // rows·2·inner and out rows·inner elements; `vec` only when every row half is a whole number
     // of 16-byte words (allocations are 256-byte aligned).
     unsafe { l.launch(cfg) }.map_err(|e| cuda_error("elementwise::silu_mul launch", e))?;
+    Ok(out)
+}
+
+pub(super) fn rand_uniform(
+    op: &'static str,
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    n: usize,
+    [scale, offset]: [f32; 2],
+    seed: u64,
+) -> Result<CudaStorage> {
+    let mut out = CudaStorage::alloc(backend, dtype, n)?;
+    let (entry, defines) = if dtype == DType::F8E4M3 {
+        ("fmoe_rand_uniform_e4m3", Vec::new())
+    } else {
+        (
+            "fmoe_rand_uniform",
+            vec![("DT", code(op, &out, dtype)?.to_string())],
+        )
+    };
+    if n == 0 {
+        return Ok(out);
+    }
+    let f = nvrtc::load(backend, FAMILY, SRC, entry, &defines)?;
+    let n64 = n as u64;
+    let stream = backend.stream();
+    let dst = out.buffer_mut()?;
+    let mut l = stream.launch_builder(&f);
+    l.arg(dst).arg(&n64).arg(&seed).arg(&scale).arg(&offset);
+    // SAFETY: (T*, u64, u64, float, float) as declared, T the compiled dtype (one byte for the
+    // e4m3 entry); out holds n elements of it.
+    unsafe { l.launch(launch_1d(n)) }
+        .map_err(|e| cuda_error("elementwise::rand_uniform launch", e))?;
     Ok(out)
 }

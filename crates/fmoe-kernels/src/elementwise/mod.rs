@@ -10,6 +10,8 @@
 //!   uploaded). Value `i` is a function of (seed, i) only, so any device and any launch geometry
 //!   gives the same tensor (CPU and CUDA agree to a few f32 ulps: ln/cos/sqrt differ slightly).
 //! - [`sum`]: the f32 sum of a tensor (the benchmark's read-bandwidth ceiling on CUDA).
+//! - [`rand_uniform`]: a counter-based uniform fill, bit-identical on every device (the models'
+//!   dummy weights, written on the GPU without a host copy).
 //! - [`silu_mul`]: `silu(gate) · up` over `[M, 2I]` rows (the dense MLP's activation).
 //! - copies that reshape the model's activations: [`gather_rows`] (embedding lookup),
 //!   [`narrow_cols`], [`narrow_rows`], [`concat_heads`] (per-head `[a_h | b_h]`, MLA's keys).
@@ -21,7 +23,7 @@
 
 mod copy;
 mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 
 pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
     let mut v = cuda::variants();
@@ -105,6 +107,41 @@ pub fn randn(
             let backend = fmoe_core::cuda::cuda_backend(*i)?;
             let n = dims.iter().product();
             let out = cuda::randn(OP, &backend, dtype, n, scale, seed)?;
+            Ok(Tensor::from_storage(Storage::Cuda(out), dims)?)
+        }
+    }
+}
+
+/// A tensor of `offset + scale · u_i`, `u_i` uniform in [-1, 1) from (`seed`, flat index i), in
+/// `dtype` (f32, bf16, f16 or fp8 e4m3, round to nearest even) on `device`: the dummy weights'
+/// generator. Unlike [`randn`] the f32 value is computed exactly alike on every device (integer
+/// hash, exact scaling to [-1, 1), one IEEE multiply and one add), so CPU and CUDA tensors are
+/// bit-identical.
+pub fn rand_uniform(
+    dims: &[usize],
+    dtype: DType,
+    scale: f32,
+    offset: f32,
+    seed: u64,
+    device: &Device,
+) -> Result<Tensor> {
+    const OP: &str = "elementwise::rand_uniform";
+    if !(FLOATS.contains(&dtype) || dtype == DType::F8E4M3) {
+        return Err(Error::invalid(
+            OP,
+            format!("rand_uniform fills f32, bf16, f16 or f8e4m3 tensors, not {dtype}"),
+        ));
+    }
+    let n = dims.iter().product();
+    match device {
+        Device::Cpu => Ok(Tensor::from_cpu_storage(
+            cpu::rand_uniform(n, dtype, [scale, offset], seed),
+            dims,
+            device,
+        )?),
+        Device::Cuda(i) => {
+            let backend = fmoe_core::cuda::cuda_backend(*i)?;
+            let out = cuda::rand_uniform(OP, &backend, dtype, n, [scale, offset], seed)?;
             Ok(Tensor::from_storage(Storage::Cuda(out), dims)?)
         }
     }
@@ -479,5 +516,26 @@ mod tests {
                 .to_string()
                 .contains("`b`")
         );
+    }
+
+    #[test]
+    fn rand_uniform_is_the_documented_hash() {
+        // An independent spelling of the generator (splitmix64's finalizer over seed ^ i·φ).
+        let u = |seed: u64, i: u64| {
+            let mut z = seed ^ i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            ((z >> 40) as f64 / 8_388_608.0 - 1.0) as f32
+        };
+        let t = rand_uniform(&[3, 5], DType::F32, 0.5, 1.0, 42, &Device::Cpu).unwrap();
+        let v = t.to_f32_vec().unwrap();
+        for (i, x) in v.iter().enumerate() {
+            assert_eq!(*x, 1.0 + 0.5 * u(42, i as u64));
+        }
+        let q = rand_uniform(&[15], DType::F8E4M3, 0.5, 1.0, 42, &Device::Cpu).unwrap();
+        let want = Tensor::from_f32(&v, [15], DType::F8E4M3, &Device::Cpu).unwrap();
+        assert_eq!(q.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+        assert!(rand_uniform(&[2], DType::U32, 1.0, 0.0, 0, &Device::Cpu).is_err());
     }
 }

@@ -10,7 +10,7 @@
 //! block per row, 16-byte loads when H allows.
 
 pub(crate) mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 
 use fmoe_core::{DType, Device, Storage, Tensor};
 

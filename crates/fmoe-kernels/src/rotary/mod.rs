@@ -12,7 +12,7 @@
 //! of x: f32, bf16, f16. CUDA: `cuda/rotary.cu`, one block per token row.
 
 mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 
 use fmoe_core::{DType, Device, Storage, Tensor};
 
