@@ -126,7 +126,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     }
     let model: Box<dyn CausalLm> = match &config {
         ModelConfig::Mixtral(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten())?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
             let bar = loader::progress_bar(MixtralForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
             let model = MixtralForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
@@ -134,7 +134,7 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             Box::new(model)
         }
         ModelConfig::DeepseekV3(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten())?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
             let bar = loader::progress_bar(DeepseekV3ForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
             let model = DeepseekV3ForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
@@ -149,13 +149,23 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     })
 }
 
-fn weight_source(dir: &Path, format: LoadFormat, dtype: Option<DType>) -> Result<WeightSource> {
+/// The weights of `dir` as `format` says; dummy weights are generated where the model runs (a
+/// full-size model never exists on the host).
+fn weight_source(
+    dir: &Path,
+    format: LoadFormat,
+    dtype: Option<DType>,
+    placement: Placement,
+) -> Result<WeightSource> {
     Ok(match format {
         LoadFormat::Auto => WeightSource::Checkpoint(Checkpoint::open(dir)?),
         LoadFormat::Dummy { seed } => WeightSource::Dummy(DummyWeights {
             seed,
             dtype: dtype.unwrap_or(DType::BF16),
-            device: fmoe_core::Device::Cpu,
+            device: match placement {
+                Placement::Host => Device::Cpu,
+                Placement::Device(d) => d,
+            },
         }),
     })
 }
