@@ -68,6 +68,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/common/atomics.cuh"),
     ),
     ("common/elem.cuh", include_str!("../cuda/common/elem.cuh")),
+    (
+        "common/flash_attention.cuh",
+        include_str!("../cuda/common/flash_attention.cuh"),
+    ),
     ("common/fp8.cuh", include_str!("../cuda/common/fp8.cuh")),
     (
         "common/k_split.cuh",

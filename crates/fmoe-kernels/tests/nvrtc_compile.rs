@@ -177,6 +177,8 @@ fn catalog_covers_every_source_and_gemm_config() {
     let variants = catalog::all();
     let families: BTreeSet<&str> = variants.iter().map(|v| v.family).collect();
     let expected = [
+        "attention_decode",
+        "attention_prefill",
         "copy",
         "elementwise",
         "moe_align",

@@ -8,7 +8,29 @@
 //! weighted sum are f32; the output is `[T, heads·v_dim]` in q's dtype, rows outside every span 0.
 //!
 //! The CPU twin ([`attend_head`] per (span, head), rayon over the pairs) is public: the models'
-//! CPU path calls it directly, on f32 rows it already holds.
+//! CPU path calls it directly, on f32 rows it already holds. It takes f32, bf16 and f16.
+//!
+//! # CUDA
+//!
+//! bf16 and f16 (f32 is [`fmoe_core::Error::Unsupported`] there: the tensor-core kernels take
+//! 16-bit operands); `qk_dim` and `v_dim` multiples of 8 up to 256 (compiled padded to 16, 32, 64,
+//! 128, 192 or 256, the padding zero-filled). FlashAttention-2 style on `mma.sync` m16n8k16, f32
+//! softmax and accumulation (`cuda/common/flash_attention.cuh`). The work unit is a tile of
+//! *packed rows* — (query, head) pairs of one sequence sharing one kv head, so K/V are read once
+//! per GQA group — walking the key tiles of the causal / sliding-window band only.
+//!
+//! Kernel choice, per span, with `group = num_heads / num_kv_heads`:
+//! - `q_len · group <= 16` → the decode kernel (`attention_decode.cu`, flash-decoding): one
+//!   16-row tile per (span, kv head), the 4 warps splitting each 64-key tile;
+//! - otherwise → the prefill kernel (`attention_prefill.cu`): tiles of 128 packed rows (64 when a
+//!   width exceeds 128), the 4 warps splitting the rows.
+//!
+//! A mixed batch launches each kernel on its spans. KV splits (split-KV, both kernels): with `n`
+//! tiles over all spans, `s = clamp(ceil(2 · SMs / (n · num_kv_heads)), 1, 64)`; a tile whose
+//! band has `b` key tiles of 64 keys gets `min(s, ceil(b / 4))` splits, each writing f32 partials
+//! that `fmoe_attention_combine` merges. So decode batches and short chunks at long contexts fill
+//! the GPU, and a long prefill (enough tiles) never splits. Tiles run heaviest first. One
+//! metadata upload per call, no host synchronization.
 
 mod cpu;
 mod cuda;

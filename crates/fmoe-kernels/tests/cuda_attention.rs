@@ -1,0 +1,456 @@
+//! `attention::causal_attention` on CUDA (and its CPU twin) against an f64 reference written
+//! here, on fresh random data: head widths, GQA groups, sliding windows, varlen batches mixing
+//! prefill from empty, chunked prefill, decode at long contexts, split and unsplit KV.
+//!
+//! Allocations are poisoned (0xFF = NaN), and the rows of k/v between sequences and the q rows
+//! outside every span hold NaN: a kernel that writes too little or reads outside its span shows
+//! up as NaN. Without a CUDA device the GPU tests print "skipping: <reason>" and pass, unless
+//! `FMOE_REQUIRE_CUDA=1`. The timing against torch's SDPA is
+//! `attention::cuda::tests::timing_vs_peer` (ignored) in the library's unit tests.
+
+use std::sync::Arc;
+
+use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::{DType, Device, Error as CoreError, Tensor};
+use fmoe_kernels::Error;
+use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use rayon::prelude::*;
+
+const CUDA: Device = Device::Cuda(0);
+
+fn backend_or_skip() -> Option<Arc<CudaBackend>> {
+    match cuda_backend(0) {
+        Ok(b) => {
+            set_poison_allocations(true);
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
+/// A batch: per sequence (q_len, past); q rows and k/v rows are laid out with gaps (NaN rows)
+/// between sequences, and `extra_q` NaN q rows at the end that no span covers.
+struct Case {
+    name: String,
+    heads: usize,
+    kv_heads: usize,
+    dq: usize,
+    dv: usize,
+    window: Option<usize>,
+    seqs: Vec<(usize, usize)>,
+    extra_q: usize,
+}
+
+struct Data {
+    spans: Vec<SeqSpan>,
+    p: AttentionParams,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    t: usize,
+    r: usize,
+}
+
+fn build(c: &Case, seed: u64) -> Data {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let normal = Normal::new(0.0f32, 1.0).unwrap();
+    let mut spans = Vec::new();
+    let (mut t, mut r) = (0, 0);
+    for (i, &(q_len, past)) in c.seqs.iter().enumerate() {
+        // A one-row gap before every other sequence, in q and in k/v.
+        let gap = i % 2;
+        spans.push(SeqSpan {
+            q_start: t + gap,
+            q_len,
+            kv_start: r + gap,
+            past,
+        });
+        t += gap + q_len;
+        r += gap + past + q_len;
+    }
+    t += c.extra_q;
+    let (qw, kw, vw) = (c.heads * c.dq, c.kv_heads * c.dq, c.kv_heads * c.dv);
+    let mut q = vec![f32::NAN; t * qw];
+    let mut k = vec![f32::NAN; r * kw];
+    let mut v = vec![f32::NAN; r * vw];
+    for s in &spans {
+        for x in &mut q[s.q_start * qw..(s.q_start + s.q_len) * qw] {
+            *x = normal.sample(&mut rng);
+        }
+        let kv = s.kv_start..s.kv_start + s.past + s.q_len;
+        for x in &mut k[kv.start * kw..kv.end * kw] {
+            *x = normal.sample(&mut rng);
+        }
+        for x in &mut v[kv.start * vw..kv.end * vw] {
+            *x = normal.sample(&mut rng);
+        }
+    }
+    let p = AttentionParams {
+        num_heads: c.heads,
+        num_kv_heads: c.kv_heads,
+        qk_dim: c.dq,
+        v_dim: c.dv,
+        scale: 1.0 / (c.dq as f32).sqrt(),
+        sliding_window: c.window,
+    };
+    Data {
+        spans,
+        p,
+        q,
+        k,
+        v,
+        t,
+        r,
+    }
+}
+
+/// softmax(q·kᵀ·scale + mask)·v in f64, straight from the definition (0 for uncovered rows).
+fn reference(d: &Data, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f64> {
+    let p = &d.p;
+    let (h, dq, dv, kvh) = (p.num_heads, p.qk_dim, p.v_dim, p.num_kv_heads);
+    let mut out = vec![0f64; d.t * h * dv];
+    let rows: Vec<(usize, usize, usize)> = d
+        .spans
+        .iter()
+        .flat_map(|s| (0..s.q_len).map(move |i| (s.q_start + i, s.kv_start, s.past + i)))
+        .collect();
+    let done: Vec<(usize, Vec<f64>)> = rows
+        .par_iter()
+        .map(|&(row, kv_start, pos)| {
+            let mut o = vec![0f64; h * dv];
+            for head in 0..h {
+                let kh = head / (h / kvh);
+                let qr = &q[row * h * dq + head * dq..][..dq];
+                let first = p.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let sc: Vec<f64> = (first..=pos)
+                    .map(|j| {
+                        let kr = &k[(kv_start + j) * kvh * dq + kh * dq..][..dq];
+                        qr.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                            .sum::<f64>()
+                            * f64::from(p.scale)
+                    })
+                    .collect();
+                let m = sc.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (w, j) in e.iter().zip(first..=pos) {
+                    let vr = &v[(kv_start + j) * kvh * dv + kh * dv..][..dv];
+                    for (a, &b) in o[head * dv..(head + 1) * dv].iter_mut().zip(vr) {
+                        *a += w / z * f64::from(b);
+                    }
+                }
+            }
+            (row, o)
+        })
+        .collect();
+    for (row, o) in done {
+        out[row * h * dv..(row + 1) * h * dv].copy_from_slice(&o);
+    }
+    out
+}
+
+/// max |got - want| / max |want| over covered rows, or what is wrong: a non-finite element,
+/// a non-zero uncovered row.
+fn rel_err(d: &Data, got: &[f32], want: &[f64]) -> Result<f64, String> {
+    let w = d.p.num_heads * d.p.v_dim;
+    if got.len() != d.t * w {
+        return Err(format!("output length {} != {}", got.len(), d.t * w));
+    }
+    let mut covered = vec![false; d.t];
+    for s in &d.spans {
+        covered[s.q_start..s.q_start + s.q_len].fill(true);
+    }
+    let (mut err, mut scale) = (0f64, 0f64);
+    for (row, c) in covered.iter().enumerate() {
+        for i in row * w..(row + 1) * w {
+            let g = f64::from(got[i]);
+            if !g.is_finite() {
+                return Err(format!("element {i} (row {row}) is {g}"));
+            }
+            if *c {
+                err = err.max((g - want[i]).abs());
+                scale = scale.max(want[i].abs());
+            } else if g != 0.0 {
+                return Err(format!("uncovered row {row} element {i} is {g}"));
+            }
+        }
+    }
+    Ok(if scale == 0.0 { err } else { err / scale })
+}
+
+/// Per span: (q_len, past, max |err|, non-finite count), to say which kind of span went wrong.
+fn per_span(d: &Data, got: &[f32], want: &[f64]) -> String {
+    let w = d.p.num_heads * d.p.v_dim;
+    d.spans
+        .iter()
+        .map(|s| {
+            let r = s.q_start * w..(s.q_start + s.q_len) * w;
+            let bad = got[r.clone()].iter().filter(|x| !x.is_finite()).count();
+            let err = got[r.clone()]
+                .iter()
+                .zip(&want[r])
+                .map(|(&g, &w)| (f64::from(g) - w).abs())
+                .filter(|e| e.is_finite())
+                .fold(0f64, f64::max);
+            format!(
+                "(q_len {}, past {}: err {err:.2e}, {bad} non-finite)",
+                s.q_len, s.past
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn tensor(v: &[f32], rows: usize, dtype: DType, device: Device) -> Tensor {
+    let cols = v.len().checked_div(rows).unwrap_or(0);
+    Tensor::from_f32(v, [rows, cols], dtype, &device).unwrap()
+}
+
+/// Runs a case on the CPU in f32 and (with a device) on CUDA in `dtype`, both against the f64
+/// reference of the values rounded to `dtype`, which both saw.
+fn check(c: &Case, dtype: DType, seed: u64, gpu: bool) -> Result<(), String> {
+    let d = build(c, seed);
+    let (qw, kw, vw) = (c.heads * c.dq, c.kv_heads * c.dq, c.kv_heads * c.dv);
+    let round = |x: &[f32], w: usize, rows: usize| {
+        let v = tensor(x, rows, dtype, Device::Cpu).to_f32_vec().unwrap();
+        assert_eq!(v.len(), rows * w);
+        v
+    };
+    let (q, k, v) = (
+        round(&d.q, qw, d.t),
+        round(&d.k, kw, d.r),
+        round(&d.v, vw, d.r),
+    );
+    let want = reference(&d, &q, &k, &v);
+
+    let cpu = |x: &[f32], rows| tensor(x, rows, DType::F32, Device::Cpu);
+    let out = causal_attention(&cpu(&q, d.t), &cpu(&k, d.r), &cpu(&v, d.r), &d.spans, &d.p)
+        .unwrap_or_else(|e| panic!("{} cpu: {e}", c.name));
+    let e = rel_err(&d, &out.to_f32_vec().unwrap(), &want)
+        .map_err(|e| format!("{} cpu: {e}", c.name))?;
+    if e > 1e-5 {
+        return Err(format!("{} cpu: error {e:.3e}", c.name));
+    }
+    if !gpu {
+        return Ok(());
+    }
+
+    let gq = tensor(&q, d.t, dtype, CUDA);
+    let gk = tensor(&k, d.r, dtype, CUDA);
+    let gv = tensor(&v, d.r, dtype, CUDA);
+    let out = causal_attention(&gq, &gk, &gv, &d.spans, &d.p)
+        .map_err(|e| format!("{} {dtype}: {e}", c.name))?;
+    assert_eq!(out.dims(), &[d.t, c.heads * c.dv]);
+    assert_eq!((out.dtype(), out.device()), (dtype, CUDA));
+    let got = out.to_f32_vec().unwrap();
+    let spans = || per_span(&d, &got, &want);
+    let e = rel_err(&d, &got, &want)
+        .map_err(|e| format!("{} {dtype}: cuda: {e}; per span {}", c.name, spans()))?;
+    println!("{} {dtype}: cuda max|err|/max|ref| = {e:.2e}", c.name);
+    if e > 2e-2 {
+        return Err(format!(
+            "{} {dtype}: cuda error {e:.3e}; per span {}",
+            c.name,
+            spans()
+        ));
+    }
+    Ok(())
+}
+
+/// Every case runs; the test fails at the end listing all failures.
+fn all_pass(results: Vec<Result<(), String>>) {
+    let failures: Vec<String> = results.into_iter().filter_map(Result::err).collect();
+    assert!(
+        failures.is_empty(),
+        "{} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// A mixed batch: prefill from empty (q_len not a multiple of 64), chunked prefill after a
+/// past, decode at several contexts (one q_len 3), and uncovered q rows.
+fn mixed(heads: usize, kv_heads: usize, dq: usize, dv: usize, window: Option<usize>) -> Case {
+    Case {
+        name: format!("mixed h{heads}/kv{kv_heads} d{dq}/{dv} window {window:?}"),
+        heads,
+        kv_heads,
+        dq,
+        dv,
+        window,
+        seqs: vec![(100, 0), (37, 150), (1, 300), (3, 70), (1, 0), (70, 1)],
+        extra_q: 2,
+    }
+}
+
+#[test]
+fn head_widths_and_windows() {
+    let gpu = backend_or_skip().is_some();
+    let mut r = Vec::new();
+    let mut seed = 1;
+    for (dq, dv) in [(16, 16), (24, 16), (64, 64), (128, 128), (192, 128)] {
+        for window in [None, Some(48)] {
+            r.push(check(&mixed(8, 2, dq, dv, window), DType::BF16, seed, gpu));
+            seed += 1;
+        }
+    }
+    r.push(check(
+        &mixed(8, 2, 128, 128, Some(48)),
+        DType::F16,
+        seed,
+        gpu,
+    ));
+    r.push(check(&mixed(4, 4, 64, 64, None), DType::F16, seed + 1, gpu));
+    all_pass(r);
+}
+
+#[test]
+fn gqa_groups() {
+    let gpu = backend_or_skip().is_some();
+    let mut r = Vec::new();
+    // Groups 1, 4, 8, 16 (one decode tile exactly) and 32 (decode spans on the prefill kernel).
+    for (i, (h, kvh)) in [(8, 8), (32, 8), (32, 4), (16, 1), (32, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        let c = mixed(h, kvh, 128, 128, None);
+        r.push(check(&c, DType::BF16, 100 + i as u64, gpu));
+    }
+    // q_len 16 with group 1: 16 packed rows, the largest decode tile.
+    let c = Case {
+        name: "q_len 16 group 1".into(),
+        seqs: vec![(16, 500), (17, 20), (15, 0)],
+        extra_q: 0,
+        ..mixed(4, 4, 64, 64, Some(100))
+    };
+    r.push(check(&c, DType::BF16, 120, gpu));
+    all_pass(r);
+}
+
+#[test]
+fn long_decode_and_long_prefill() {
+    // Long cases need the device (their reference alone is seconds on a small CPU).
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let mut r = Vec::new();
+    // Decode contexts around the 64-key tiles up to 8192 (split KV), windowed and not.
+    for (i, window) in [None, Some(4096), Some(1000)].into_iter().enumerate() {
+        let c = Case {
+            name: format!("decode 32/8 d128 window {window:?}"),
+            seqs: [1, 63, 64, 65, 1000, 4096, 5000, 8192]
+                .into_iter()
+                .map(|ctx| (1, ctx - 1))
+                .collect(),
+            extra_q: 0,
+            ..mixed(32, 8, 128, 128, window)
+        };
+        r.push(check(&c, DType::BF16, 200 + i as u64, true));
+    }
+    // One long prefill (enough tiles that nothing splits), and a chunk at a long past (splits).
+    let c = Case {
+        name: "prefill 1000 + chunk 20 at past 3000".into(),
+        seqs: vec![(1000, 0), (20, 3000)],
+        extra_q: 0,
+        ..mixed(32, 8, 128, 128, None)
+    };
+    r.push(check(&c, DType::BF16, 210, true));
+    let c = Case {
+        name: "windowed prefill 700".into(),
+        seqs: vec![(700, 30)],
+        extra_q: 0,
+        ..mixed(16, 4, 64, 64, Some(200))
+    };
+    r.push(check(&c, DType::BF16, 211, true));
+    all_pass(r);
+}
+
+#[test]
+fn empty_batches_and_unsupported_inputs() {
+    if backend_or_skip().is_none() {
+        return;
+    }
+    let p = AttentionParams {
+        num_heads: 4,
+        num_kv_heads: 2,
+        qk_dim: 16,
+        v_dim: 16,
+        scale: 0.25,
+        sliding_window: None,
+    };
+    let z = |rows, cols, dtype| Tensor::zeros([rows, cols], dtype, &CUDA).unwrap();
+    // T = 0.
+    let out = causal_attention(
+        &z(0, 64, DType::BF16),
+        &z(0, 32, DType::BF16),
+        &z(0, 32, DType::BF16),
+        &[],
+        &p,
+    )
+    .unwrap();
+    assert_eq!(out.dims(), &[0, 64]);
+    // Rows but no spans (or only empty ones): all zeros, despite poisoned allocations.
+    let q = Tensor::full([5, 64], DType::BF16, f32::NAN, &CUDA).unwrap();
+    let empty = [SeqSpan {
+        q_start: 2,
+        q_len: 0,
+        kv_start: 0,
+        past: 0,
+    }];
+    let out = causal_attention(
+        &q,
+        &z(3, 32, DType::BF16),
+        &z(3, 32, DType::BF16),
+        &empty,
+        &p,
+    )
+    .unwrap();
+    assert!(out.to_f32_vec().unwrap().iter().all(|&x| x == 0.0));
+    // f32 and widths that are not multiples of 8 are the CPU twin's only.
+    let f = z(1, 64, DType::F32);
+    let span = [SeqSpan {
+        q_start: 0,
+        q_len: 1,
+        kv_start: 0,
+        past: 0,
+    }];
+    let e =
+        causal_attention(&f, &z(1, 32, DType::F32), &z(1, 32, DType::F32), &span, &p).unwrap_err();
+    assert!(
+        matches!(e, Error::Core(CoreError::Unsupported { .. })),
+        "{e}"
+    );
+    let p12 = AttentionParams { qk_dim: 12, ..p };
+    let e = causal_attention(
+        &z(1, 48, DType::BF16),
+        &z(1, 24, DType::BF16),
+        &z(1, 32, DType::BF16),
+        &span,
+        &p12,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("multiples of 8"), "{e}");
+    // Mixed devices are an error naming the tensor.
+    let cpu_k = Tensor::zeros([1, 32], DType::BF16, &Device::Cpu).unwrap();
+    let e = causal_attention(
+        &z(1, 64, DType::BF16),
+        &cpu_k,
+        &z(1, 32, DType::BF16),
+        &span,
+        &p,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("`k`"), "{e}");
+}
