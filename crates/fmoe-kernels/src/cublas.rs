@@ -1,6 +1,6 @@
 //! cuBLAS, loaded at run time: [`load`] finds libcublas, [`with_handle`] hands out the one handle
 //! of a backend (created on first use, bound to the backend's stream, so cuBLAS work is ordered
-//! with every other kernel without synchronization).
+//! with every other kernel without synchronization; reductions kept in f32).
 //!
 //! Nothing loads libcublas until a cuBLAS-backed op ([`crate::linear`], the benchmark's GEMM
 //! ceiling) runs on CUDA. A missing library is [`Error::NoCublas`] (one line naming where it
@@ -126,13 +126,26 @@ pub fn with_handle<T>(
 fn create(op: &'static str, backend: &CudaBackend) -> Result<Handle> {
     let made = std::panic::catch_unwind(|| -> std::result::Result<Handle, String> {
         let h = cb::create_handle().map_err(|e| format!("cublasCreate: {e}"))?;
-        // SAFETY: a live handle and the backend's live stream (cuBLAS takes the driver's CUstream).
-        if let Err(e) =
-            unsafe { cb::set_stream(h, backend.stream().cu_stream() as cbs::cudaStream_t) }
-        {
+        // SAFETY (both calls): a live handle, and the backend's live stream (cuBLAS takes the
+        // driver's CUstream). Split-K partial sums stay f32 even for bf16/f16 outputs (the
+        // library may otherwise reduce them in the output type), as `linear` promises f32
+        // accumulation.
+        let setup = unsafe {
+            cb::set_stream(h, backend.stream().cu_stream() as cbs::cudaStream_t)
+                .map_err(|e| format!("cublasSetStream: {e}"))
+                .and_then(|()| {
+                    cbs::cublasSetMathMode(
+                        h,
+                        cbs::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+                    )
+                    .result()
+                    .map_err(|e| format!("cublasSetMathMode: {e}"))
+                })
+        };
+        if let Err(msg) = setup {
             // SAFETY: created just above, not used since.
             let _ = unsafe { cb::destroy_handle(h) };
-            return Err(format!("cublasSetStream: {e}"));
+            return Err(msg);
         }
         Ok(Handle(h))
     });
@@ -152,4 +165,22 @@ pub(crate) fn status(op: &'static str, what: &str, e: cb::CublasError) -> Error 
         op,
         msg: format!("{what}: {e}"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn load_is_ok_or_a_one_line_error() {
+        match super::load() {
+            Ok(()) => println!("libcublas loaded"),
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("cuBLAS unavailable") && msg.contains("libcublas"),
+                    "{msg}"
+                );
+                assert_eq!(msg.lines().count(), 1, "{msg}");
+            }
+        }
+    }
 }
