@@ -12,9 +12,18 @@
 //! - [`deepseek_v3`]: [`DeepseekV3ForCausalLM`] in the same shape (MLA, dense-first layers,
 //!   grouped sigmoid routing with a shared expert).
 //! - [`model`]: the interface to the engine: [`CausalLm`] (forward over [`SeqChunk`]s, logits
-//!   out) and [`KvCache`] (what the engine's cache provides).
+//!   out) and [`KvCache`] (what the engine's cache provides: f32 host rows or device slabs,
+//!   [`KvStorage`]).
+//! - [`device`]: the device path, every layer on the model's device through fmoe-kernels' tensor
+//!   functions in the model's dtype (bf16); the model files pick it or the f32 host path per
+//!   [`Placement`].
 //!
 //! [`load`] ties them together: `config.json` → architecture → weights → model (+ tokenizer).
+//! [`LoadOptions::device`] places the whole model: the CPU runs the host path (every layer in f32
+//! from the stored weights: the golden reference), CUDA the device path (the MoE experts run where
+//! the model does). On the device path fp8 checkpoints' dense linears (attention, dense MLPs) are
+//! dequantized to the activation dtype at load; only the MoE experts stay fp8, served by the fp8
+//! MoE methods.
 //!
 //! ```no_run
 //! use fmoe_models::{LoadOptions, load};
