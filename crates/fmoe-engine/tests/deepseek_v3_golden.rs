@@ -91,6 +91,7 @@ fn every_method_and_kernel_matches_transformers() {
             );
             model
         },
+        None,
     );
 }
 

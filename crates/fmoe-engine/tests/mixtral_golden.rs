@@ -38,6 +38,7 @@ fn every_method_and_kernel_matches_transformers() {
         &fixture(),
         &expected(),
         &load_model,
+        None,
     );
 }
 

@@ -283,16 +283,25 @@ impl CudaStorage {
         use cudarc::driver::sys;
         // A single row needs no pitch; keep it valid (≥ the width) for the driver.
         let pitch = |p: usize| p.max(cols) * size;
-        // SAFETY: plain-old-data descriptor; unused (array/host) fields are null.
-        let mut copy: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-        copy.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        copy.srcDevice = src_ptr + (src_offset * size) as u64;
-        copy.srcPitch = pitch(src_pitch);
-        copy.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-        copy.dstDevice = dst_ptr + (dst_offset * size) as u64;
-        copy.dstPitch = pitch(dst_pitch);
-        copy.WidthInBytes = cols * size;
-        copy.Height = rows;
+        // Device to device; the host and array fields are unused (null).
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src_ptr + (src_offset * size) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: pitch(src_pitch),
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst_ptr + (dst_offset * size) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: pitch(dst_pitch),
+            WidthInBytes: cols * size,
+            Height: rows,
+        };
         // SAFETY: both buffers are live allocations on `stream` and every byte the descriptor
         // touches is in bounds (checked above); the destination is not shared (buffer_mut).
         unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
