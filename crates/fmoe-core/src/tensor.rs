@@ -326,6 +326,94 @@ impl Tensor {
         Tensor::from_cpu_storage(storage, dims, &first.device())
     }
 
+    /// Overwrites rows `dst_row..dst_row + rows` of this 2-D tensor `[R, W]` with the block of the
+    /// 2-D `src` at rows `src_row..src_row + rows`, columns `src_col..src_col + W` (same dtype
+    /// and device). The one in-place write on tensors, for buffers allocated once and filled
+    /// over time (a KV-cache slab): it needs this tensor's storage unshared (no clone alive),
+    /// else an error, so no other tensor ever sees the change. On CUDA one stream-ordered
+    /// device-to-device copy (`cuMemcpy2DAsync`), no synchronization.
+    pub fn copy_rows_from(
+        &mut self,
+        dst_row: usize,
+        src: &Tensor,
+        src_row: usize,
+        src_col: usize,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "Tensor::copy_rows_from";
+        let dst_dims = self
+            .expect_rank(OP, "destination", 2, "[rows, width]")?
+            .to_vec();
+        let src_dims = src.expect_rank(OP, "source", 2, "[rows, width]")?;
+        let (width, src_width) = (dst_dims[1], src_dims[1]);
+        src.expect_dtype(OP, "source", &[self.dtype()])?;
+        src.expect_device(OP, "source", self.device())?;
+        if dst_row + rows > dst_dims[0]
+            || src_row + rows > src_dims[0]
+            || src_col + width > src_width
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "rows {src_row}..{} × columns {src_col}..{} of a {:?} source into rows {dst_row}..{} of a {dst_dims:?} destination: out of bounds",
+                    src_row + rows,
+                    src_col + width,
+                    src_dims,
+                    dst_row + rows
+                ),
+            ));
+        }
+        let shared = || {
+            Error::invalid(
+                OP,
+                "the destination's storage is shared with another tensor (tensors are immutable)",
+            )
+        };
+        let src_storage = src.storage.clone();
+        let dst = Arc::get_mut(&mut self.storage).ok_or_else(shared)?;
+        match (dst, src_storage.as_ref()) {
+            (Storage::Cuda(d), Storage::Cuda(s)) => d.copy_2d_from(
+                dst_row * width,
+                width,
+                s,
+                src_row * src_width + src_col,
+                src_width,
+                rows,
+                width,
+            ),
+            (Storage::Cpu(d), Storage::Cpu(s)) => {
+                fn copy<T: Copy>(
+                    d: &mut [T],
+                    s: &[T],
+                    (dst_row, src_row, src_col, rows, width, src_width): (
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                        usize,
+                    ),
+                ) {
+                    for r in 0..rows {
+                        let from = (src_row + r) * src_width + src_col;
+                        d[(dst_row + r) * width..][..width].copy_from_slice(&s[from..from + width]);
+                    }
+                }
+                let g = (dst_row, src_row, src_col, rows, width, src_width);
+                match (d, s) {
+                    (CpuStorage::F32(d), CpuStorage::F32(s)) => copy(d, s, g),
+                    (CpuStorage::BF16(d), CpuStorage::BF16(s)) => copy(d, s, g),
+                    (CpuStorage::F16(d), CpuStorage::F16(s)) => copy(d, s, g),
+                    (CpuStorage::F8E4M3(d), CpuStorage::F8E4M3(s)) => copy(d, s, g),
+                    (CpuStorage::U32(d), CpuStorage::U32(s)) => copy(d, s, g),
+                    _ => return Err(Error::invalid(OP, "dtypes differ")),
+                }
+                Ok(())
+            }
+            _ => Err(Error::invalid(OP, "devices differ")),
+        }
+    }
+
     /// Host slice of element type `T`; `op`/`name` go into the error if the dtype or device differ.
     pub fn cpu_slice<T: WithDType>(&self, op: &'static str, name: &str) -> Result<&[T]> {
         let s = self.cpu_storage(op, name)?;
@@ -481,6 +569,36 @@ mod tests {
                 .to_string()
                 .contains("out of range")
         );
+    }
+
+    #[test]
+    fn copy_rows_from_writes_a_column_block_in_place() {
+        let src = Tensor::from_vec((0..12u32).collect::<Vec<_>>(), [3, 4], &Device::Cpu).unwrap();
+        let mut dst = Tensor::zeros([4, 2], DType::U32, &Device::Cpu).unwrap();
+        // Rows 1..3, columns 2..4 of src into rows 2..4 of dst.
+        dst.copy_rows_from(2, &src, 1, 2, 2).unwrap();
+        assert_eq!(
+            dst.cpu_slice::<u32>("t", "d").unwrap(),
+            &[0, 0, 0, 0, 6, 7, 10, 11]
+        );
+        let err = dst
+            .copy_rows_from(3, &src, 0, 0, 2)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("out of bounds"), "{err}");
+        assert!(dst.copy_rows_from(0, &src, 0, 3, 1).is_err());
+        let f = Tensor::zeros([3, 4], DType::F32, &Device::Cpu).unwrap();
+        assert!(dst.copy_rows_from(0, &f, 0, 0, 1).is_err());
+        // A clone alive: the write would be visible through it, so it is refused.
+        let view = dst.clone();
+        let err = dst
+            .copy_rows_from(0, &src, 0, 0, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("shared"), "{err}");
+        drop(view);
+        dst.copy_rows_from(0, &src, 0, 0, 1).unwrap();
+        assert_eq!(&dst.cpu_slice::<u32>("t", "d").unwrap()[..2], &[0, 1]);
     }
 
     #[test]

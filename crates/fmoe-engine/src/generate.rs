@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use fmoe_models::{CausalLm, LogitsFor, SeqChunk, SeqId, Tokenizer};
 
-use crate::kv_cache::ContiguousKvCache;
+use crate::kv_cache::ModelKvCache;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::{Error, Result};
 
@@ -166,11 +166,14 @@ pub fn generate(
         return Ok(Generation { outputs, stats });
     }
 
-    let mut cache = ContiguousKvCache::new(info.kv_layout.clone());
+    // Each sequence may reach prompt + max_tokens positions (the model's context at most): a
+    // slab cache is sized for exactly that, once.
+    let reach = |p: &Vec<u32>| (p.len() + params.max_tokens).min(info.max_position_embeddings);
+    let mut cache = ModelKvCache::for_model(info, prompts.iter().map(reach).sum())?;
     let mut live: Vec<Live> = Vec::with_capacity(prompts.len());
     for (index, p) in prompts.iter().enumerate() {
         live.push(Live {
-            seq: cache.allocate(),
+            seq: cache.allocate(reach(p))?,
             index,
             pos: p.len(),
             sampler: Sampler::new(params.sampling, index as u64)?,
@@ -266,7 +269,7 @@ fn finished(
 #[cfg(test)]
 mod tests {
     use fmoe_core::{Device, Tensor};
-    use fmoe_models::{KvCache, KvLayout, ModelInfo};
+    use fmoe_models::{KvCache, KvLayout, KvStorage, ModelInfo};
 
     use super::*;
 
@@ -288,6 +291,7 @@ mod tests {
                         num_layers: 1,
                         streams: vec![1],
                     },
+                    kv_storage: KvStorage::HostF32,
                     moe: None,
                 },
             }

@@ -1,10 +1,14 @@
-//! The KV cache: per sequence, per layer, per stream, one contiguous `Vec<f32>` that grows as
-//! tokens are appended. (A paged cache replaces this behind the same
+//! The host KV cache: per sequence, per layer, per stream, one contiguous `Vec<f32>` that grows
+//! as tokens are appended (the CPU path). [`ModelKvCache`] is whichever cache a model needs: this
+//! one or the device slabs of [`SlabKvCache`]. (A paged cache replaces both behind the same
 //! [`fmoe_models::KvCache`] trait once the scheduler batches many requests.)
 
 use std::collections::HashMap;
 
-use fmoe_models::{Error, KvCache, KvLayout, Result, SeqId};
+use fmoe_core::Tensor;
+use fmoe_models::{Error, KvCache, KvLayout, KvStorage, ModelInfo, Result, SeqId};
+
+use crate::SlabKvCache;
 
 const OP: &str = "KvCache";
 
@@ -118,6 +122,93 @@ impl KvCache for ContiguousKvCache {
     fn stream(&self, seq: SeqId, layer: usize, stream: usize) -> Result<&[f32]> {
         self.width(layer, stream)?;
         Ok(&self.seq(seq)?[layer][stream])
+    }
+}
+
+/// The KV cache a model's [`ModelInfo::kv_storage`] asks for.
+pub enum ModelKvCache {
+    Host(ContiguousKvCache),
+    Slab(SlabKvCache),
+}
+
+impl ModelKvCache {
+    /// A cache for `info`'s model; a slab cache holds `slots` tokens (all sequences together).
+    pub fn for_model(info: &ModelInfo, slots: usize) -> Result<ModelKvCache> {
+        Ok(match info.kv_storage {
+            KvStorage::HostF32 => {
+                ModelKvCache::Host(ContiguousKvCache::new(info.kv_layout.clone()))
+            }
+            KvStorage::Slab { device, dtype } => ModelKvCache::Slab(SlabKvCache::new(
+                info.kv_layout.clone(),
+                dtype,
+                device,
+                slots,
+            )?),
+        })
+    }
+
+    /// A new, empty sequence of at most `max_tokens` tokens (a bound only slab caches hold
+    /// sequences to).
+    pub fn allocate(&mut self, max_tokens: usize) -> Result<SeqId> {
+        match self {
+            ModelKvCache::Host(c) => Ok(c.allocate()),
+            ModelKvCache::Slab(c) => c.allocate(max_tokens),
+        }
+    }
+
+    pub fn free(&mut self, seq: SeqId) {
+        match self {
+            ModelKvCache::Host(c) => c.free(seq),
+            ModelKvCache::Slab(c) => c.free(seq),
+        }
+    }
+
+    fn inner(&self) -> &dyn KvCache {
+        match self {
+            ModelKvCache::Host(c) => c,
+            ModelKvCache::Slab(c) => c,
+        }
+    }
+
+    fn inner_mut(&mut self) -> &mut dyn KvCache {
+        match self {
+            ModelKvCache::Host(c) => c,
+            ModelKvCache::Slab(c) => c,
+        }
+    }
+}
+
+impl KvCache for ModelKvCache {
+    fn cached(&self, seq: SeqId, layer: usize) -> Result<usize> {
+        self.inner().cached(seq, layer)
+    }
+    fn append(&mut self, seq: SeqId, layer: usize, stream: usize, rows: &[f32]) -> Result<()> {
+        self.inner_mut().append(seq, layer, stream, rows)
+    }
+    fn stream(&self, seq: SeqId, layer: usize, stream: usize) -> Result<&[f32]> {
+        self.inner().stream(seq, layer, stream)
+    }
+    fn storage(&self) -> KvStorage {
+        self.inner().storage()
+    }
+    fn base_slot(&self, seq: SeqId) -> Result<usize> {
+        self.inner().base_slot(seq)
+    }
+    fn append_rows(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        stream: usize,
+        src: &Tensor,
+        first: usize,
+        col: usize,
+        n: usize,
+    ) -> Result<()> {
+        self.inner_mut()
+            .append_rows(seq, layer, stream, src, first, col, n)
+    }
+    fn slab(&self, layer: usize, stream: usize) -> Result<&Tensor> {
+        self.inner().slab(layer, stream)
     }
 }
 

@@ -1,7 +1,9 @@
 //! fmoe-engine: turns a [`fmoe_models::CausalLm`] into generated text.
 //!
-//! - [`ContiguousKvCache`] implements the model's [`fmoe_models::KvCache`]: per sequence, per
-//!   layer, contiguous growth.
+//! - [`ContiguousKvCache`] implements the model's [`fmoe_models::KvCache`] on the host: per
+//!   sequence, per layer, contiguous growth (the CPU path). [`SlabKvCache`] is the device cache:
+//!   per layer and stream one preallocated slab in the model's dtype, a contiguous slot range per
+//!   sequence. [`ModelKvCache`] is whichever the model's `kv_storage` asks for.
 //! - [`Sampler`] picks tokens: greedy, or temperature + top-p from a seeded RNG
 //!   ([`SamplingParams`]).
 //! - [`generate`] runs prefill (all prompts in one pass) then decode (one token per live
@@ -21,8 +23,10 @@ mod error;
 mod generate;
 mod kv_cache;
 mod sampler;
+mod slab_cache;
 
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
-pub use kv_cache::ContiguousKvCache;
+pub use kv_cache::{ContiguousKvCache, ModelKvCache};
 pub use sampler::{Sampler, SamplingParams, argmax};
+pub use slab_cache::SlabKvCache;

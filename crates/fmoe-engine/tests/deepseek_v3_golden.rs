@@ -27,7 +27,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{Expected, moe_options};
+use common::{Expected, Target, moe_options};
 use fmoe_engine::ContiguousKvCache;
 use fmoe_models::deepseek_v3::RouterTrace;
 use fmoe_models::{
@@ -79,9 +79,10 @@ fn load_concrete(dir: &Path) -> DeepseekV3ForCausalLM {
 fn every_method_and_kernel_matches_transformers() {
     // Batched decode attends in latent space: the absorbed path.
     common::every_method_and_kernel_matches_transformers(
+        Target::Host,
         &fixture(),
         &expected(),
-        |dir, scheme, family| {
+        &|dir, scheme, family| {
             let model = load_model(dir, scheme, family);
             assert_eq!(
                 model.info().moe,
@@ -90,6 +91,7 @@ fn every_method_and_kernel_matches_transformers() {
             );
             model
         },
+        None,
     );
 }
 
@@ -171,6 +173,7 @@ fn decode_with_the_cache_equals_one_full_pass() {
         }
         chunks.extend(exp.greedy_ids[i].iter().map(|&t| vec![t]));
         let worst = common::decode_with_the_cache_equals_one_full_pass(
+            Target::Host,
             model.as_ref(),
             &chunks,
             &format!("prompt {i} "),
@@ -190,6 +193,6 @@ fn both_config_layouts_load_to_the_same_model() {
         &fixture(),
         "fmoe-ds-golden",
         &expected(),
-        load_model,
+        &load_model,
     );
 }

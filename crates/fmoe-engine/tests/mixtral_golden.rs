@@ -18,7 +18,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::{Expected, load_model};
+use common::{Expected, Target, load_model};
 use fmoe_engine::{GenerateParams, generate};
 use fmoe_models::{LoadOptions, load};
 use fmoe_moe::{KernelFamily, QuantScheme};
@@ -33,7 +33,13 @@ fn expected() -> Expected {
 
 #[test]
 fn every_method_and_kernel_matches_transformers() {
-    common::every_method_and_kernel_matches_transformers(&fixture(), &expected(), load_model);
+    common::every_method_and_kernel_matches_transformers(
+        Target::Host,
+        &fixture(),
+        &expected(),
+        &load_model,
+        None,
+    );
 }
 
 #[test]
@@ -49,7 +55,7 @@ fn decode_with_the_cache_equals_one_full_pass() {
     let model = load_model(&fixture(), QuantScheme::Unquantized, KernelFamily::Portable);
     let mut chunks = vec![exp.prompt_ids[1].clone()];
     chunks.extend(exp.greedy_ids[1].iter().map(|&t| vec![t]));
-    common::decode_with_the_cache_equals_one_full_pass(model.as_ref(), &chunks, "");
+    common::decode_with_the_cache_equals_one_full_pass(Target::Host, model.as_ref(), &chunks, "");
 }
 
 #[test]
@@ -98,6 +104,6 @@ fn both_config_layouts_load_to_the_same_model() {
         &fixture(),
         "fmoe-golden",
         &expected(),
-        load_model,
+        &load_model,
     );
 }

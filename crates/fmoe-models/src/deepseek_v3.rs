@@ -37,18 +37,22 @@
 //! attention, MLP and expert linear; embeddings, norms, the router gate and its bias, and
 //! lm_head stay unquantized.
 
-use fmoe_core::{DType, Tensor};
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::routing::TopK;
 use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
+use crate::device::{self, DeviceCtx};
 use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
 use crate::layers::{
     ExpertNames, Linear, LmEnds, Mla, MlaSpec, Mlp, MoeBlock, RmsNorm, RopeStyle, Rotary,
     add_in_place,
 };
 use crate::loader::Vb;
-use crate::model::{CausalLm, ForwardBatch, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk};
-use crate::{Error, Result};
+use crate::model::{
+    CausalLm, ForwardBatch, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk,
+};
+use crate::{Error, Placement, Result};
 
 pub use crate::config::DeepseekV3Config as Config;
 
@@ -91,7 +95,8 @@ impl DecoderLayer {
         let post_attention_layernorm =
             RmsNorm::load(&vb.pp("post_attention_layernorm"), h, cfg.rms_norm_eps)?;
         let mlp = if cfg.is_moe_layer(i) {
-            Ffn::Moe(load_moe(cfg, &vb.pp("mlp"), quant, moe)?)
+            let (gate, fused, bias) = load_moe(cfg, &vb.pp("mlp"), quant, moe, Device::Cpu)?;
+            Ffn::Moe(MoeBlock::with_selection_bias(gate, fused, bias))
         } else {
             Ffn::Dense(Mlp::load(&vb.pp("mlp"), h, cfg.intermediate_size, quant)?)
         };
@@ -104,13 +109,15 @@ impl DecoderLayer {
     }
 }
 
-/// Router gate (unquantized) + bias + routed experts + shared expert under `vb` (`…mlp`).
+/// Router gate (unquantized), routed experts + shared expert (on `device`) and the selection bias
+/// under `vb` (`…mlp`).
 fn load_moe(
     cfg: &Config,
     vb: &Vb,
     quant: &QuantizationConfig,
     moe: &MoeOptions,
-) -> Result<MoeBlock> {
+    device: Device,
+) -> Result<(Linear, FusedMoe, Tensor)> {
     let (e, h, inter) = (
         cfg.n_routed_experts,
         cfg.hidden_size,
@@ -147,17 +154,25 @@ fn load_moe(
         shared,
         Some(bias.clone()),
         &moe.switches,
-        moe.device,
+        device,
     )?;
-    Ok(MoeBlock::with_selection_bias(gate, fused, bias))
+    Ok((gate, fused, bias))
 }
 
 /// DeepSeek-V3 with a language-model head.
 pub struct DeepseekV3ForCausalLM {
-    ends: LmEnds,
-    layers: Vec<DecoderLayer>,
-    rotary: Rotary,
+    path: ModelPath,
     info: ModelInfo,
+}
+
+enum ModelPath {
+    /// f32 layers on the host.
+    Host {
+        ends: LmEnds,
+        layers: Vec<DecoderLayer>,
+        rotary: Rotary,
+    },
+    Device(device::deepseek_v3::Model),
 }
 
 impl DeepseekV3ForCausalLM {
@@ -180,55 +195,100 @@ impl DeepseekV3ForCausalLM {
         (2 + head + layers) as u64
     }
 
-    /// Builds the model from `vb` (the checkpoint root). `moe` picks the MoE method, kernels and
-    /// device; attention, dense MLPs, the router and the head run on the CPU in f32 from their
-    /// stored weights.
+    /// Builds the host model (f32 layers on the CPU, [`Placement::Host`]) from `vb` (the
+    /// checkpoint root); `moe` picks the MoE method and kernels.
     pub fn load(cfg: &Config, vb: &Vb, moe: &MoeOptions) -> Result<DeepseekV3ForCausalLM> {
+        DeepseekV3ForCausalLM::load_on(cfg, vb, moe, Placement::Host)
+    }
+
+    /// Builds the model from `vb` (the checkpoint root) to run as `placement` says; `moe` picks
+    /// the MoE method and kernels (the experts live where the model runs).
+    pub fn load_on(
+        cfg: &Config,
+        vb: &Vb,
+        moe: &MoeOptions,
+        placement: Placement,
+    ) -> Result<DeepseekV3ForCausalLM> {
         let bad = |m: String| Error::Options(format!("DeepseekV3ForCausalLM: {m}"));
         let quant = cfg.quantization().map_err(bad)?;
         let rope = cfg.rope().map_err(bad)?;
         let spec = MlaSpec::from_config(cfg).map_err(bad)?;
-        let m = vb.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, i, spec, &m.pp("layers").pp(i), &quant, moe))
-            .collect::<Result<Vec<_>>>()?;
-        let moe_summary = layers.iter().find_map(|l| match &l.mlp {
-            Ffn::Moe(b) => Some((b.experts().scheme(), b.experts().kernel().family)),
-            Ffn::Dense(_) => None,
-        });
-        let info = ModelInfo {
-            architecture: "DeepseekV3ForCausalLM",
-            vocab_size: v,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: cfg.eos_token_ids(),
-            bos_token_id: cfg.bos_token_id,
-            kv_layout: KvLayout {
-                num_layers: cfg.num_hidden_layers,
-                streams: spec.cache_streams(),
-            },
-            moe: moe_summary,
+        let rotary = Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved);
+        let (path, kv_storage) = match placement {
+            Placement::Host => {
+                let m = vb.pp("model");
+                let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
+                let layers = (0..cfg.num_hidden_layers)
+                    .map(|i| DecoderLayer::load(cfg, i, spec, &m.pp("layers").pp(i), &quant, moe))
+                    .collect::<Result<Vec<_>>>()?;
+                (
+                    ModelPath::Host {
+                        ends,
+                        layers,
+                        rotary,
+                    },
+                    KvStorage::HostF32,
+                )
+            }
+            Placement::Device(device) => {
+                let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten());
+                let model =
+                    device::deepseek_v3::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
+                        let (gate, fused, bias) = load_moe(cfg, vb, &quant, moe, device)?;
+                        let gate = gate.dequantized(ctx.dtype)?.to_device(device)?;
+                        Ok((gate, fused, bias))
+                    })?;
+                (ModelPath::Device(model), ctx.kv_storage())
+            }
         };
-        Ok(DeepseekV3ForCausalLM {
-            ends,
-            layers,
-            rotary: Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved),
-            info,
-        })
+        let mut model = DeepseekV3ForCausalLM {
+            path,
+            info: ModelInfo {
+                architecture: "DeepseekV3ForCausalLM",
+                vocab_size: v,
+                max_position_embeddings: cfg.max_position_embeddings,
+                eos_token_ids: cfg.eos_token_ids(),
+                bos_token_id: cfg.bos_token_id,
+                kv_layout: KvLayout {
+                    num_layers: cfg.num_hidden_layers,
+                    streams: spec.cache_streams(),
+                },
+                kv_storage,
+                moe: None,
+            },
+        };
+        let moe = model
+            .moe_layers()
+            .next()
+            .map(|e| (e.scheme(), e.kernel().family));
+        model.info.moe = moe;
+        Ok(model)
     }
 
     /// The MoE layers (kernel choice, method) for inspection.
-    pub fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
-        self.layers.iter().filter_map(|l| match &l.mlp {
-            Ffn::Moe(b) => Some(b.experts()),
-            Ffn::Dense(_) => None,
-        })
+    pub fn moe_layers(&self) -> Box<dyn Iterator<Item = &FusedMoe> + '_> {
+        match &self.path {
+            ModelPath::Host { layers, .. } => {
+                Box::new(layers.iter().filter_map(|l| match &l.mlp {
+                    Ffn::Moe(b) => Some(b.experts()),
+                    Ffn::Dense(_) => None,
+                }))
+            }
+            ModelPath::Device(m) => Box::new(m.moe_layers()),
+        }
     }
 
-    /// The attention blocks, for choosing how they attend ([`Mla::set_path`]).
+    /// The host path's attention blocks, for choosing how they attend ([`Mla::set_path`]); none
+    /// on the device path (it always decompresses).
     pub fn attention_mut(&mut self) -> impl Iterator<Item = &mut Mla> {
-        self.layers.iter_mut().map(|l| &mut l.self_attn)
+        let layers = match &mut self.path {
+            ModelPath::Host { layers, .. } => Some(layers),
+            ModelPath::Device(_) => None,
+        };
+        layers
+            .into_iter()
+            .flat_map(|l| l.iter_mut().map(|l| &mut l.self_attn))
     }
 
     /// [`CausalLm::forward`], also returning every MoE layer's routing of the batch's tokens.
@@ -251,14 +311,32 @@ impl DeepseekV3ForCausalLM {
         mut trace: Option<&mut Vec<RouterTrace>>,
     ) -> Result<Tensor> {
         let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
+        let (ends, layers, rotary) = match &self.path {
+            ModelPath::Host {
+                ends,
+                layers,
+                rotary,
+            } => (ends, layers, rotary),
+            ModelPath::Device(m) => {
+                let Some(trace) = trace else {
+                    return m.forward(&batch, cache, which, None);
+                };
+                let mut topk = Vec::new();
+                let logits = m.forward(&batch, cache, which, Some(&mut topk))?;
+                for (layer, tk) in topk {
+                    trace.push(router_trace(layer, &tk)?);
+                }
+                return Ok(logits);
+            }
+        };
         let t = batch.num_tokens();
-        let rope = self.rotary.table(&batch.positions);
-        let mut h = self.ends.embed(&batch.tokens)?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        let rope = rotary.table(&batch.positions);
+        let mut h = ends.embed(&batch.tokens)?;
+        for (i, layer) in layers.iter().enumerate() {
             let a = layer.input_layernorm.forward(&h)?;
             let a = layer
                 .self_attn
-                .forward(&a, &batch, &self.rotary, &rope, i, cache)?;
+                .forward(&a, &batch, rotary, &rope, i, cache)?;
             add_in_place(&mut h, &a);
             let m = layer.post_attention_layernorm.forward(&h)?;
             let m = match &layer.mlp {
@@ -269,13 +347,7 @@ impl DeepseekV3ForCausalLM {
                         let mut topk = Vec::with_capacity(1);
                         let y = block.forward_traced(&m, t, Some(&mut topk))?;
                         for tk in topk {
-                            const OP: &str = "DeepseekV3ForCausalLM::forward_traced";
-                            trace.push(RouterTrace {
-                                layer: i,
-                                top_k: tk.ids.dims().get(1).copied().unwrap_or(0),
-                                ids: tk.ids.cpu_slice::<u32>(OP, "topk_ids")?.to_vec(),
-                                weights: tk.weights.to_f32_vec()?,
-                            });
+                            trace.push(router_trace(i, &tk)?);
                         }
                         y
                     }
@@ -283,8 +355,19 @@ impl DeepseekV3ForCausalLM {
             };
             add_in_place(&mut h, &m);
         }
-        self.ends.logits(&h, &batch, which, self.info.vocab_size)
+        ends.logits(&h, &batch, which, self.info.vocab_size)
     }
+}
+
+/// A host top-k as a [`RouterTrace`] of `layer`.
+fn router_trace(layer: usize, tk: &TopK) -> Result<RouterTrace> {
+    const OP: &str = "DeepseekV3ForCausalLM::forward_traced";
+    Ok(RouterTrace {
+        layer,
+        top_k: tk.ids.dims().get(1).copied().unwrap_or(0),
+        ids: tk.ids.cpu_slice::<u32>(OP, "topk_ids")?.to_vec(),
+        weights: tk.weights.to_f32_vec()?,
+    })
 }
 
 impl CausalLm for DeepseekV3ForCausalLM {

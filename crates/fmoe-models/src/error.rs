@@ -71,7 +71,7 @@ impl Error {
         }
     }
 
-    pub(crate) fn input(op: &'static str, msg: impl Into<String>) -> Self {
+    pub fn input(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Input {
             op,
             msg: msg.into(),

@@ -12,9 +12,18 @@
 //! - [`deepseek_v3`]: [`DeepseekV3ForCausalLM`] in the same shape (MLA, dense-first layers,
 //!   grouped sigmoid routing with a shared expert).
 //! - [`model`]: the interface to the engine: [`CausalLm`] (forward over [`SeqChunk`]s, logits
-//!   out) and [`KvCache`] (what the engine's cache provides).
+//!   out) and [`KvCache`] (what the engine's cache provides: f32 host rows or device slabs,
+//!   [`KvStorage`]).
+//! - [`device`]: the device path, every layer on the model's device through fmoe-kernels' tensor
+//!   functions in the model's dtype (bf16); the model files pick it or the f32 host path per
+//!   [`Placement`].
 //!
 //! [`load`] ties them together: `config.json` → architecture → weights → model (+ tokenizer).
+//! [`LoadOptions::device`] places the whole model: the CPU runs the host path (every layer in f32
+//! from the stored weights: the golden reference), CUDA the device path (the MoE experts run where
+//! the model does). On the device path fp8 checkpoints' dense linears (attention, dense MLPs) are
+//! dequantized to the activation dtype at load; only the MoE experts stay fp8, served by the fp8
+//! MoE methods.
 //!
 //! ```no_run
 //! use fmoe_models::{LoadOptions, load};
@@ -25,6 +34,7 @@
 
 pub mod config;
 pub mod deepseek_v3;
+pub mod device;
 mod error;
 pub mod layers;
 pub mod loader;
@@ -34,7 +44,7 @@ pub mod tokenizer;
 
 use std::path::Path;
 
-use fmoe_core::DType;
+use fmoe_core::{DType, Device};
 
 pub use config::{DeepseekV3Config, MixtralConfig, ModelConfig, QuantizationConfig};
 pub use deepseek_v3::DeepseekV3ForCausalLM;
@@ -42,7 +52,7 @@ pub use error::{Error, Result};
 pub use layers::moe::MoeOptions;
 pub use loader::{Checkpoint, DummyWeights, Vb, WeightSource};
 pub use mixtral::MixtralForCausalLM;
-pub use model::{CausalLm, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk, SeqId};
+pub use model::{CausalLm, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk, SeqId};
 pub use tokenizer::Tokenizer;
 
 /// Where weights come from.
@@ -55,6 +65,17 @@ pub enum LoadFormat {
     Dummy { seed: u64 },
 }
 
+/// Where a model's forward pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// The host path: every layer on the CPU in f32 from the stored weights (the golden
+    /// reference), a host KV cache.
+    Host,
+    /// The device path ([`device`]): every layer on this device, activations in the model's
+    /// dtype, a slab KV cache there. On the CPU it runs the kernels' CPU twins (tests).
+    Device(Device),
+}
+
 /// How to load a model.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
@@ -65,6 +86,22 @@ pub struct LoadOptions {
     /// Load only the first N decoder layers (overrides `num_hidden_layers`; e.g. full-width
     /// dummy models for benchmarks).
     pub num_layers: Option<usize>,
+    /// The device the whole model runs on (the MoE experts included): the CPU runs the host
+    /// path, CUDA the device path.
+    pub device: Device,
+    /// Run the device path on the CPU too (its kernels' CPU twins, in the model's dtype): tests
+    /// of that path without a GPU.
+    pub device_path_on_cpu: bool,
+}
+
+impl LoadOptions {
+    pub fn placement(&self) -> Placement {
+        if self.device.is_cpu() && !self.device_path_on_cpu {
+            Placement::Host
+        } else {
+            Placement::Device(self.device)
+        }
+    }
 }
 
 /// A model with its config and, when the directory has one, its tokenizer.
@@ -89,20 +126,27 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         }
     }
     let tokenizer = Tokenizer::from_dir(dir)?;
+    let placement = opts.placement();
+    match placement {
+        Placement::Host => tracing::info!("model runs on the CPU: f32 host layers"),
+        Placement::Device(d) => {
+            tracing::info!(device = %d, "model runs on {d}: device path, activations in the model's dtype")
+        }
+    }
     let model: Box<dyn CausalLm> = match &config {
         ModelConfig::Mixtral(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten())?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
             let bar = loader::progress_bar(MixtralForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
-            let model = MixtralForCausalLM::load(cfg, &vb, &opts.moe)?;
+            let model = MixtralForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
             bar.finish_and_clear();
             Box::new(model)
         }
         ModelConfig::DeepseekV3(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten())?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
             let bar = loader::progress_bar(DeepseekV3ForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
-            let model = DeepseekV3ForCausalLM::load(cfg, &vb, &opts.moe)?;
+            let model = DeepseekV3ForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
             bar.finish_and_clear();
             Box::new(model)
         }
@@ -114,13 +158,23 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     })
 }
 
-fn weight_source(dir: &Path, format: LoadFormat, dtype: Option<DType>) -> Result<WeightSource> {
+/// The weights of `dir` as `format` says; dummy weights are generated where the model runs (a
+/// full-size model never exists on the host).
+fn weight_source(
+    dir: &Path,
+    format: LoadFormat,
+    dtype: Option<DType>,
+    placement: Placement,
+) -> Result<WeightSource> {
     Ok(match format {
         LoadFormat::Auto => WeightSource::Checkpoint(Checkpoint::open(dir)?),
         LoadFormat::Dummy { seed } => WeightSource::Dummy(DummyWeights {
             seed,
             dtype: dtype.unwrap_or(DType::BF16),
-            device: fmoe_core::Device::Cpu,
+            device: match placement {
+                Placement::Host => Device::Cpu,
+                Placement::Device(d) => d,
+            },
         }),
     })
 }

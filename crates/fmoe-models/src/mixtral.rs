@@ -24,18 +24,21 @@
 //! `weight_scale_inv` (128×128 blocks) beside each quantized weight; the router gate, norms,
 //! embeddings and lm_head stay bf16.
 
-use fmoe_core::Tensor;
+use fmoe_core::{Device, Tensor};
 use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
+use crate::device::{self, DeviceCtx};
 use crate::layers::moe::{MoeOptions, load_experts, resolve_scheme};
 use crate::layers::{
     Attention, AttentionSpec, ExpertNames, Linear, LmEnds, MoeBlock, RmsNorm, RopeStyle, Rotary,
     add_in_place,
 };
 use crate::loader::Vb;
-use crate::model::{CausalLm, ForwardBatch, KvCache, KvLayout, LogitsFor, ModelInfo, SeqChunk};
-use crate::{Error, Result};
+use crate::model::{
+    CausalLm, ForwardBatch, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk,
+};
+use crate::{Error, Placement, Result};
 
 pub use crate::config::MixtralConfig as Config;
 
@@ -57,35 +60,14 @@ impl DecoderLayer {
         let spec = attention_spec(cfg);
         let self_attn = Attention::load(&vb.pp("self_attn"), spec, quant)?;
         let moe_vb = vb.pp("block_sparse_moe");
-        let e = cfg.num_local_experts;
         // The router stays unquantized in fp8 checkpoints.
-        let gate = Linear::load(&moe_vb.pp("gate"), e, h, &QuantizationConfig::None)?;
-        let experts = load_experts(
-            &moe_vb.pp("experts"),
-            ExpertNames::MIXTRAL,
-            e,
+        let gate = Linear::load(
+            &moe_vb.pp("gate"),
+            cfg.num_local_experts,
             h,
-            cfg.intermediate_size,
-            quant,
+            &QuantizationConfig::None,
         )?;
-        let config = MoeConfig {
-            num_experts: e,
-            top_k: cfg.num_experts_per_tok,
-            hidden: h,
-            intermediate: cfg.intermediate_size,
-            routing: Routing::Softmax { renormalize: true },
-            shared_intermediate: None,
-        };
-        let scheme = resolve_scheme(quant, moe.scheme)?;
-        let fused = FusedMoe::new(
-            config,
-            scheme,
-            experts,
-            None,
-            None,
-            &moe.switches,
-            moe.device,
-        )?;
+        let fused = load_moe(cfg, &moe_vb, quant, moe, Device::Cpu)?;
         Ok(DecoderLayer {
             input_layernorm: RmsNorm::load(&vb.pp("input_layernorm"), h, cfg.rms_norm_eps)?,
             self_attn,
@@ -97,6 +79,43 @@ impl DecoderLayer {
             block_sparse_moe: MoeBlock::new(gate, fused),
         })
     }
+}
+
+/// The experts of one layer under `vb` (`…block_sparse_moe`), on `device`.
+fn load_moe(
+    cfg: &Config,
+    vb: &Vb,
+    quant: &QuantizationConfig,
+    moe: &MoeOptions,
+    device: Device,
+) -> Result<FusedMoe> {
+    let (e, h) = (cfg.num_local_experts, cfg.hidden_size);
+    let experts = load_experts(
+        &vb.pp("experts"),
+        ExpertNames::MIXTRAL,
+        e,
+        h,
+        cfg.intermediate_size,
+        quant,
+    )?;
+    let config = MoeConfig {
+        num_experts: e,
+        top_k: cfg.num_experts_per_tok,
+        hidden: h,
+        intermediate: cfg.intermediate_size,
+        routing: Routing::Softmax { renormalize: true },
+        shared_intermediate: None,
+    };
+    let scheme = resolve_scheme(quant, moe.scheme)?;
+    Ok(FusedMoe::new(
+        config,
+        scheme,
+        experts,
+        None,
+        None,
+        &moe.switches,
+        device,
+    )?)
 }
 
 fn attention_spec(cfg: &Config) -> AttentionSpec {
@@ -111,10 +130,18 @@ fn attention_spec(cfg: &Config) -> AttentionSpec {
 
 /// Mixtral with a language-model head.
 pub struct MixtralForCausalLM {
-    ends: LmEnds,
-    layers: Vec<DecoderLayer>,
-    rotary: Rotary,
+    path: ModelPath,
     info: ModelInfo,
+}
+
+enum ModelPath {
+    /// f32 layers on the host.
+    Host {
+        ends: LmEnds,
+        layers: Vec<DecoderLayer>,
+        rotary: Rotary,
+    },
+    Device(device::mixtral::Model),
 }
 
 impl MixtralForCausalLM {
@@ -127,46 +154,83 @@ impl MixtralForCausalLM {
         (2 + head + cfg.num_hidden_layers * per_layer) as u64
     }
 
-    /// Builds the model from `vb` (the checkpoint root). `moe` picks the MoE method, kernels and
-    /// device; dense layers run on the CPU in f32 from their stored weights.
+    /// Builds the host model (f32 layers on the CPU, [`Placement::Host`]) from `vb` (the
+    /// checkpoint root); `moe` picks the MoE method and kernels.
     pub fn load(cfg: &Config, vb: &Vb, moe: &MoeOptions) -> Result<MixtralForCausalLM> {
+        MixtralForCausalLM::load_on(cfg, vb, moe, Placement::Host)
+    }
+
+    /// Builds the model from `vb` (the checkpoint root) to run as `placement` says; `moe` picks
+    /// the MoE method and kernels (the experts live where the model runs).
+    pub fn load_on(
+        cfg: &Config,
+        vb: &Vb,
+        moe: &MoeOptions,
+        placement: Placement,
+    ) -> Result<MixtralForCausalLM> {
         let bad = |m: String| Error::Options(format!("MixtralForCausalLM: {m}"));
         let quant = cfg.quantization().map_err(bad)?;
         let rope = cfg.rope().map_err(bad)?;
-        let m = vb.pp("model");
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-        let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
-        let layers = (0..cfg.num_hidden_layers)
-            .map(|i| DecoderLayer::load(cfg, &m.pp("layers").pp(i), &quant, moe))
-            .collect::<Result<Vec<_>>>()?;
         let spec = attention_spec(cfg);
-        let moe_summary = layers.first().map(|l| {
-            let e = l.block_sparse_moe.experts();
-            (e.scheme(), e.kernel().family)
-        });
-        let info = ModelInfo {
-            architecture: "MixtralForCausalLM",
-            vocab_size: v,
-            max_position_embeddings: cfg.max_position_embeddings,
-            eos_token_ids: cfg.eos_token_ids(),
-            bos_token_id: cfg.bos_token_id,
-            kv_layout: KvLayout {
-                num_layers: cfg.num_hidden_layers,
-                streams: Attention::cache_streams(&spec),
-            },
-            moe: moe_summary,
+        let rotary = Rotary::new(&rope, cfg.head_dim(), RopeStyle::HalfSplit);
+        let (path, kv_storage) = match placement {
+            Placement::Host => {
+                let m = vb.pp("model");
+                let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
+                let layers = (0..cfg.num_hidden_layers)
+                    .map(|i| DecoderLayer::load(cfg, &m.pp("layers").pp(i), &quant, moe))
+                    .collect::<Result<Vec<_>>>()?;
+                (
+                    ModelPath::Host {
+                        ends,
+                        layers,
+                        rotary,
+                    },
+                    KvStorage::HostF32,
+                )
+            }
+            Placement::Device(device) => {
+                let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten());
+                let model =
+                    device::mixtral::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
+                        load_moe(cfg, vb, &quant, moe, device)
+                    })?;
+                (ModelPath::Device(model), ctx.kv_storage())
+            }
         };
-        Ok(MixtralForCausalLM {
-            ends,
-            layers,
-            rotary: Rotary::new(&rope, cfg.head_dim(), RopeStyle::HalfSplit),
-            info,
-        })
+        let mut model = MixtralForCausalLM {
+            path,
+            info: ModelInfo {
+                architecture: "MixtralForCausalLM",
+                vocab_size: v,
+                max_position_embeddings: cfg.max_position_embeddings,
+                eos_token_ids: cfg.eos_token_ids(),
+                bos_token_id: cfg.bos_token_id,
+                kv_layout: KvLayout {
+                    num_layers: cfg.num_hidden_layers,
+                    streams: Attention::cache_streams(&spec),
+                },
+                kv_storage,
+                moe: None,
+            },
+        };
+        let moe = model
+            .moe_layers()
+            .next()
+            .map(|e| (e.scheme(), e.kernel().family));
+        model.info.moe = moe;
+        Ok(model)
     }
 
     /// The MoE layers (kernel choice, method) for inspection.
-    pub fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
-        self.layers.iter().map(|l| l.block_sparse_moe.experts())
+    pub fn moe_layers(&self) -> Box<dyn Iterator<Item = &FusedMoe> + '_> {
+        match &self.path {
+            ModelPath::Host { layers, .. } => {
+                Box::new(layers.iter().map(|l| l.block_sparse_moe.experts()))
+            }
+            ModelPath::Device(m) => Box::new(m.moe_layers()),
+        }
     }
 }
 
@@ -182,19 +246,27 @@ impl CausalLm for MixtralForCausalLM {
         which: LogitsFor,
     ) -> Result<Tensor> {
         let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
+        let (ends, layers, rotary) = match &self.path {
+            ModelPath::Host {
+                ends,
+                layers,
+                rotary,
+            } => (ends, layers, rotary),
+            ModelPath::Device(m) => return m.forward(&batch, cache, which),
+        };
         let t = batch.num_tokens();
-        let rope = self.rotary.table(&batch.positions);
-        let mut h = self.ends.embed(&batch.tokens)?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        let rope = rotary.table(&batch.positions);
+        let mut h = ends.embed(&batch.tokens)?;
+        for (i, layer) in layers.iter().enumerate() {
             let a = layer.input_layernorm.forward(&h)?;
             let a = layer
                 .self_attn
-                .forward(&a, &batch, &self.rotary, &rope, i, cache)?;
+                .forward(&a, &batch, rotary, &rope, i, cache)?;
             add_in_place(&mut h, &a);
             let m = layer.post_attention_layernorm.forward(&h)?;
             let m = layer.block_sparse_moe.forward(&m, t)?;
             add_in_place(&mut h, &m);
         }
-        self.ends.logits(&h, &batch, which, self.info.vocab_size)
+        ends.logits(&h, &batch, which, self.info.vocab_size)
     }
 }

@@ -4,33 +4,92 @@
 //! position of the first. Prefill passes the whole prompt, decode one token per sequence; both are
 //! the same call, so a batch may mix them. The model appends what attention needs to the cache
 //! (per layer, per sequence, in "streams" of fixed width per token: Mixtral keeps K and V; MLA
-//! will keep the compressed latent and the shared rope key) and returns logits.
+//! keeps the compressed latent and the shared rope key) and returns logits.
+//!
+//! A cache keeps its rows one of two ways ([`KvStorage`]), and a model says which it needs
+//! ([`ModelInfo::kv_storage`]): f32 rows on the host, read back as slices (the CPU path), or one
+//! preallocated `[slots, width]` slab per layer and stream on the model's device, in the model's
+//! dtype, each sequence owning a contiguous slot range (the device path: appends are
+//! device-to-device copies, attention reads the slabs in place).
 
 use std::collections::HashSet;
 
-use fmoe_core::Tensor;
+use fmoe_core::{DType, Device, Tensor};
 
 use crate::{Error, Result};
 
 /// A sequence's handle in the KV cache.
 pub type SeqId = u64;
 
-/// What a model caches per token and layer: `streams[i]` f32 values in stream `i`.
+/// What a model caches per token and layer: `streams[i]` values in stream `i` (f32 on the host,
+/// the model's dtype in a slab).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvLayout {
     pub num_layers: usize,
     pub streams: Vec<usize>,
 }
 
-/// Per-layer, per-sequence cache storage, owned by the engine. Rows are appended in token order;
-/// a stream is read back as one contiguous `[tokens, width]` slice.
+/// How a KV cache stores its rows (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvStorage {
+    /// f32 rows on the host, grown per sequence ([`KvCache::append`], [`KvCache::stream`]).
+    HostF32,
+    /// Preallocated `[slots, width]` slabs in `dtype` on `device` ([`KvCache::append_rows`],
+    /// [`KvCache::slab`], [`KvCache::base_slot`]).
+    Slab { device: Device, dtype: DType },
+}
+
+/// Per-layer, per-sequence cache storage, owned by the engine. Rows are appended in token order.
+/// A host cache ([`KvStorage::HostF32`]) reads a stream back as one contiguous `[tokens, width]`
+/// slice; a slab cache ([`KvStorage::Slab`]) exposes its slabs as tensors, and the slab methods'
+/// default bodies are the host cache's "not a slab cache" errors.
 pub trait KvCache: Sync {
     /// Tokens cached for `seq` at `layer` (in stream 0).
     fn cached(&self, seq: SeqId, layer: usize) -> Result<usize>;
     /// Appends `rows` (whole rows of the stream's width) for `seq` at `layer`.
     fn append(&mut self, seq: SeqId, layer: usize, stream: usize, rows: &[f32]) -> Result<()>;
-    /// Everything cached for `seq` in one stream of `layer`.
+    /// Everything cached for `seq` in one stream of `layer` (host caches).
     fn stream(&self, seq: SeqId, layer: usize, stream: usize) -> Result<&[f32]>;
+
+    /// How this cache stores its rows.
+    fn storage(&self) -> KvStorage {
+        KvStorage::HostF32
+    }
+    /// The first slot of `seq`'s range (the same in every slab): token `i` of the sequence is
+    /// row `base_slot + i` of each slab.
+    fn base_slot(&self, seq: SeqId) -> Result<usize> {
+        let _ = seq;
+        Err(not_a_slab_cache("base_slot"))
+    }
+    /// Appends rows `first..first + n`, columns `col..col + width` of the 2-D `src` (on the
+    /// cache's device, in its dtype) to `seq`'s range in (`layer`, `stream`).
+    #[allow(clippy::too_many_arguments)]
+    fn append_rows(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        stream: usize,
+        src: &Tensor,
+        first: usize,
+        col: usize,
+        n: usize,
+    ) -> Result<()> {
+        let _ = (seq, layer, stream, src, first, col, n);
+        Err(not_a_slab_cache("append_rows"))
+    }
+    /// The slab `[slots, width]` of (`layer`, `stream`), every sequence's rows in place.
+    fn slab(&self, layer: usize, stream: usize) -> Result<&Tensor> {
+        let _ = (layer, stream);
+        Err(not_a_slab_cache("slab"))
+    }
+}
+
+fn not_a_slab_cache(op: &'static str) -> Error {
+    Error::input(
+        op,
+        "this KV cache keeps f32 rows on the host; the device path needs a slab cache \
+         (KvStorage::Slab, e.g. fmoe_engine::SlabKvCache)",
+    )
 }
 
 /// New tokens of one sequence. `start_pos` must equal the number of tokens already cached.
@@ -59,6 +118,8 @@ pub struct ModelInfo {
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
     pub kv_layout: KvLayout,
+    /// The KV cache [`CausalLm::forward`] needs.
+    pub kv_storage: KvStorage,
     /// The MoE layers' method and kernel family (the same for every layer of a model).
     pub moe: Option<(fmoe_moe::QuantScheme, fmoe_moe::KernelFamily)>,
 }

@@ -26,6 +26,9 @@ use serde::Serialize;
 pub enum Bench {
     /// One MoE layer: every method × kernel family at several token counts.
     Moe(MoeArgs),
+    /// A whole model end to end: prefill (TTFT), decode steps (TPOT), tokens/s, and the
+    /// weight-streaming floor of a decode step.
+    Model(super::bench_model::ModelArgs),
 }
 
 #[derive(clap::Args)]
@@ -277,7 +280,10 @@ impl<'a> Case<'a> {
 }
 
 pub fn run(b: Bench) -> Result<()> {
-    let Bench::Moe(args) = b;
+    let args = match b {
+        Bench::Moe(args) => args,
+        Bench::Model(args) => return super::bench_model::run(args),
+    };
     FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
     let device = super::require_device(args.device)?;
     let shapes = args
@@ -511,7 +517,7 @@ fn print_table(rows: &[Row]) {
 }
 
 /// UTC date as YYYY-MM-DD, from the system clock (civil-from-days).
-fn today() -> String {
+pub(super) fn today() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());

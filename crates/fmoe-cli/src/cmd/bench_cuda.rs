@@ -490,7 +490,7 @@ fn check_graph_output(
 
 /// Median over `iters` runs of the time between CUDA events recorded on the backend's stream
 /// before and after `work` (which issues work on that stream).
-fn median_event_ms(
+pub(super) fn median_event_ms(
     backend: &CudaBackend,
     iters: usize,
     mut work: impl FnMut() -> Result<()>,
@@ -515,7 +515,7 @@ fn fmt_opt(v: Option<f64>, prec: usize) -> String {
 /// `{"bw_TBps": …, "bf16_TFLOPs": …}` (and optionally `copy_TBps`, `read_TBps`, `fp8_TFLOPs`):
 /// the JSON object the peers script prints first, or any file holding those keys. Python's `NaN`
 /// (the peers' value for a rate it could not measure) reads as missing.
-fn read_ceilings(path: &Path) -> Result<Ceilings> {
+pub(super) fn read_ceilings(path: &Path) -> Result<Ceilings> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let line = text
@@ -545,7 +545,7 @@ fn read_ceilings(path: &Path) -> Result<Ceilings> {
     })
 }
 
-fn measure_ceilings(backend: &Arc<CudaBackend>) -> Result<Ceilings> {
+pub(super) fn measure_ceilings(backend: &Arc<CudaBackend>) -> Result<Ceilings> {
     let device = backend.device();
     let n: usize = 1 << 31; // 4 GiB of bf16, as the peers script
     let bytes = (n * 2) as f64;

@@ -18,8 +18,8 @@ pub struct Args {
     /// model.safetensors.index.json) and tokenizer.json.
     #[arg(long)]
     model: PathBuf,
-    /// Device: cpu, cuda or cuda:N. On CUDA the MoE layers run on the GPU; attention and the
-    /// other dense layers stay on the CPU for now.
+    /// Device: cpu, cuda or cuda:N. On CUDA the whole forward runs on the GPU (activations in
+    /// the model's dtype, KV cache on the device); on the CPU every layer computes in f32.
     #[arg(long, default_value = "cpu")]
     device: Device,
     /// Prompt text (repeat for a batch); needs tokenizer.json. BOS is added as the tokenizer
@@ -49,8 +49,8 @@ pub struct Args {
     ignore_eos: bool,
     /// MoE method for a bf16 checkpoint: fp8 (per-tensor e4m3, quantized at load) or fp8-block
     /// (128×128 blocks). Only the MoE experts are quantized; attention, router, embeddings and
-    /// lm_head stay in the checkpoint's dtype (computed in f32). fp8 checkpoints use their own
-    /// format without this flag.
+    /// lm_head stay in the checkpoint's dtype. fp8 checkpoints use their own format without
+    /// this flag (on CUDA their dense linears are dequantized to bf16 at load).
     #[arg(long, value_enum)]
     quantization: Option<Quantization>,
     /// Where weights come from: auto (the directory's safetensors) or dummy (random weights
@@ -132,13 +132,11 @@ pub fn run(args: Args) -> Result<()> {
             LoadFormatArg::Auto => LoadFormat::Auto,
             LoadFormatArg::Dummy => LoadFormat::Dummy { seed: args.seed },
         },
-        moe: MoeOptions {
-            scheme,
-            switches,
-            device,
-        },
+        moe: MoeOptions { scheme, switches },
         progress: !args.json,
         num_layers: args.num_layers.map(|n| n as usize),
+        device,
+        device_path_on_cpu: false,
     };
     let t0 = Instant::now();
     let loaded =

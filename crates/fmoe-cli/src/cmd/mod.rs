@@ -1,5 +1,6 @@
 pub mod bench;
 mod bench_cuda;
+mod bench_model;
 pub mod generate;
 pub mod kernels;
 

@@ -225,6 +225,91 @@ impl CudaStorage {
         Ok(out)
     }
 
+    /// Copies a block of `rows` rows × `cols` elements from `src` (row `r` starting at element
+    /// `src_offset + r·src_pitch`) into this buffer (row `r` at `dst_offset + r·dst_pitch`): one
+    /// stream-ordered `cuMemcpy2DAsync`, e.g. a batch's keys (a column range of the q/k/v rows)
+    /// into a preallocated KV-cache slab. Same dtype and device; every row must be in bounds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_2d_from(
+        &mut self,
+        dst_offset: usize,
+        dst_pitch: usize,
+        src: &CudaStorage,
+        src_offset: usize,
+        src_pitch: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        const OP: &str = "CudaStorage::copy_2d_from";
+        if src.dtype != self.dtype || src.device() != self.device() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "source is {} on {}, destination {} on {}",
+                    src.dtype,
+                    src.device(),
+                    self.dtype,
+                    self.device()
+                ),
+            ));
+        }
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let end = |offset: usize, pitch: usize| {
+            pitch
+                .checked_mul(rows - 1)
+                .and_then(|v| v.checked_add(offset))
+                .and_then(|v| v.checked_add(cols))
+        };
+        let in_bounds = |offset, pitch, len| {
+            (rows == 1 || pitch >= cols) && end(offset, pitch).is_some_and(|e| e <= len)
+        };
+        if !in_bounds(src_offset, src_pitch, src.len) || !in_bounds(dst_offset, dst_pitch, self.len)
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{rows}×{cols} block out of bounds: source offset {src_offset} pitch {src_pitch} of {} elements, destination offset {dst_offset} pitch {dst_pitch} of {}",
+                    src.len, self.len
+                ),
+            ));
+        }
+        let size = self.dtype.size_in_bytes();
+        let stream = self.backend.stream().clone();
+        let (src_ptr, _src_record) =
+            cudarc::driver::DevicePtr::device_ptr(src.buf.as_ref(), &stream);
+        let buf = self.buffer_mut()?;
+        let (dst_ptr, _dst_record) = cudarc::driver::DevicePtrMut::device_ptr_mut(buf, &stream);
+        use cudarc::driver::sys;
+        // A single row needs no pitch; keep it valid (≥ the width) for the driver.
+        let pitch = |p: usize| p.max(cols) * size;
+        // Device to device; the host and array fields are unused (null).
+        let copy = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src_ptr + (src_offset * size) as u64,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: pitch(src_pitch),
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst_ptr + (dst_offset * size) as u64,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: pitch(dst_pitch),
+            WidthInBytes: cols * size,
+            Height: rows,
+        };
+        // SAFETY: both buffers are live allocations on `stream` and every byte the descriptor
+        // touches is in bounds (checked above); the destination is not shared (buffer_mut).
+        unsafe { sys::cuMemcpy2DAsync_v2(&copy, stream.cu_stream()) }
+            .result()
+            .map_err(|e| cuda_error(OP, e))
+    }
+
     /// Copies `src[range]` (elements) to `self[at..]`.
     fn copy_from(&mut self, at: usize, src: &CudaStorage, range: Range<usize>) -> Result<()> {
         const OP: &str = "CudaStorage::copy";
@@ -407,6 +492,22 @@ mod tests {
             let err = gpu.cpu_storage("op_x", "t").unwrap_err();
             assert!(matches!(err, Error::DeviceMismatch { .. }), "{err}");
         }
+        // In-place row block copies (the KV cache's appends) agree with the host's.
+        let src: Vec<f32> = (0..35).map(|i| i as f32).collect();
+        let src_cpu = Tensor::from_f32(&src, [5, 7], DType::BF16, &Device::Cpu).unwrap();
+        let src_gpu = src_cpu.to_device(cuda).unwrap();
+        let mut dst_cpu = Tensor::full([6, 3], DType::BF16, -1.0, &Device::Cpu).unwrap();
+        let mut dst_gpu = dst_cpu.to_device(cuda).unwrap();
+        for (dst_row, src_row, src_col, rows) in [(1, 2, 4, 3), (0, 0, 0, 1), (5, 4, 1, 1)] {
+            dst_cpu
+                .copy_rows_from(dst_row, &src_cpu, src_row, src_col, rows)
+                .unwrap();
+            dst_gpu
+                .copy_rows_from(dst_row, &src_gpu, src_row, src_col, rows)
+                .unwrap();
+        }
+        assert_eq!(dst_gpu.to_f32_vec().unwrap(), dst_cpu.to_f32_vec().unwrap());
+        assert!(dst_gpu.copy_rows_from(4, &src_gpu, 0, 0, 3).is_err());
         let gpu = Tensor::from_vec(vec![1.5f32, -2.0], [2], &cuda).unwrap();
         let h = gpu.to_dtype(DType::BF16).unwrap();
         assert_eq!((h.device(), h.dtype()), (cuda, DType::BF16));

@@ -1,6 +1,6 @@
 //! Causal softmax attention on the CPU.
 //!
-//! [`attend_head`] is the core: one query head of one sequence against that sequence's keys and
+//! [`attend_head`] (fmoe-kernels' attention CPU twin, re-exported) is the core: one query head of one sequence against that sequence's keys and
 //! values (GQA picks the kv head; a sliding window hides keys `window` or more positions back).
 //! q·k and v widths are separate parameters, so DeepSeek's MLA (q·k over 192 = 128 nope + 64
 //! rope, v of 128, keys decompressed from the cached latent) reuses it unchanged.
@@ -13,10 +13,11 @@ use rayon::prelude::*;
 
 use crate::Result;
 use crate::config::QuantizationConfig;
-use crate::layers::linear::{Linear, dot};
+use crate::layers::linear::Linear;
 use crate::layers::rotary::{RopeTable, Rotary};
 use crate::loader::Vb;
 use crate::model::{ForwardBatch, KvCache};
+pub use fmoe_kernels::attention::{HeadGeometry, attend_head};
 
 /// Shape of a standard attention block.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -27,57 +28,6 @@ pub struct AttentionSpec {
     pub head_dim: usize,
     /// Keys at distance ≥ `sliding_window` from the query are masked.
     pub sliding_window: Option<usize>,
-}
-
-/// One head's attention geometry for [`attend_head`].
-#[derive(Clone, Copy, Debug)]
-pub struct HeadGeometry {
-    /// q·k width.
-    pub qk_dim: usize,
-    pub v_dim: usize,
-    /// Row stride of `k` and `v` (all kv heads of a token), and this head's offset within it.
-    pub k_stride: usize,
-    pub k_offset: usize,
-    pub v_stride: usize,
-    pub v_offset: usize,
-    pub scale: f32,
-    pub sliding_window: Option<usize>,
-}
-
-/// `softmax(q·kᵀ·scale + causal mask)·v` for one head: `q` is `[n, qk_dim]` (dense rows) for
-/// positions `past..past + n`; `k`/`v` hold rows for positions `0..past + n`. Returns `[n, v_dim]`.
-pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], past: usize, g: &HeadGeometry) -> Vec<f32> {
-    let n = q.len() / g.qk_dim;
-    let mut out = vec![0f32; n * g.v_dim];
-    let mut scores = Vec::new();
-    for i in 0..n {
-        let pos = past + i;
-        let first = match g.sliding_window {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
-        let qi = &q[i * g.qk_dim..(i + 1) * g.qk_dim];
-        scores.clear();
-        scores.extend((first..=pos).map(|j| {
-            let kj = &k[j * g.k_stride + g.k_offset..][..g.qk_dim];
-            dot(qi, kj) * g.scale
-        }));
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let o = &mut out[i * g.v_dim..(i + 1) * g.v_dim];
-        for (s, j) in scores.iter().zip(first..=pos) {
-            let p = s / sum;
-            let vj = &v[j * g.v_stride + g.v_offset..][..g.v_dim];
-            for (a, b) in o.iter_mut().zip(vj) {
-                *a += p * b;
-            }
-        }
-    }
-    out
 }
 
 /// Standard multi-head / grouped-query attention with a KV cache.
@@ -180,36 +130,5 @@ impl Attention {
             }
         }
         self.o_proj.forward(&out, t)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn attention_is_causal_and_windowed() {
-        // One dim; keys all equal → uniform weights over the visible keys.
-        let k = vec![1.0; 4];
-        let v = vec![1.0, 2.0, 3.0, 4.0];
-        let g = HeadGeometry {
-            qk_dim: 1,
-            v_dim: 1,
-            k_stride: 1,
-            k_offset: 0,
-            v_stride: 1,
-            v_offset: 0,
-            scale: 1.0,
-            sliding_window: None,
-        };
-        // Queries at positions 0..4 see 1, 2, 3, 4 keys.
-        let out = attend_head(&[0.0; 4], &k, &v, 0, &g);
-        assert_eq!(out, vec![1.0, 1.5, 2.0, 2.5]);
-        // Decode at position 3 with a window of 2 sees positions 2 and 3.
-        let w = HeadGeometry {
-            sliding_window: Some(2),
-            ..g
-        };
-        assert_eq!(attend_head(&[0.0], &k, &v, 3, &w), vec![3.5]);
     }
 }

@@ -131,6 +131,48 @@ impl Linear {
         &self.weight
     }
 
+    /// The real weight [out, in] in `dtype`, on the weight's device: the stored tensor itself
+    /// when it already is `dtype` and unscaled; else computed on the host (a device weight is
+    /// downloaded) as the CPU matmul widens it (code × scale in f32), rounded once to `dtype`.
+    /// The device path's dense weights (fp8 checkpoints' linears are dequantized at load).
+    pub fn dequantized(&self, dtype: DType) -> Result<Tensor> {
+        if self.scale == WeightScale::None && self.weight.dtype() == dtype {
+            return Ok(self.weight.clone());
+        }
+        let device = self.weight.device();
+        let host = self.weight.to_device(fmoe_core::Device::Cpu)?;
+        let s = host.cpu_storage("Linear::dequantized", &self.name)?;
+        let k = self.in_features;
+        let mut out = vec![0f32; self.out_features * k];
+        fn rows<T: WithDType>(l: &Linear, w: &[T], out: &mut [f32]) {
+            out.par_chunks_mut(l.in_features)
+                .enumerate()
+                .for_each(|(r, row)| l.widen_row(w, r, row));
+        }
+        use fmoe_core::CpuStorage as S;
+        match s {
+            S::F32(w) => rows(self, w, &mut out),
+            S::BF16(w) => rows(self, w, &mut out),
+            S::F16(w) => rows(self, w, &mut out),
+            S::F8E4M3(w) => rows(self, w, &mut out),
+            S::U32(_) => {
+                return Err(fmoe_core::Error::DTypeMismatch {
+                    op: "Linear::dequantized",
+                    tensor: self.name.clone(),
+                    expected: "bf16, f16, f32 or f8e4m3".into(),
+                    got: DType::U32,
+                }
+                .into());
+            }
+        }
+        Ok(Tensor::from_f32(
+            &out,
+            [self.out_features, k],
+            dtype,
+            &device,
+        )?)
+    }
+
     /// `x` [rows, in] → [rows, out].
     pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
         if x.len() != rows * self.in_features {

@@ -36,23 +36,12 @@ impl ExpertNames {
 }
 
 /// How MoE layers are built: the method (None → the checkpoint's own format, unquantized for
-/// bf16 checkpoints), the `FMOE_*` switches that pick the kernel, and the device the experts run
-/// on.
-#[derive(Clone, Debug)]
+/// bf16 checkpoints) and the `FMOE_*` switches that pick the kernel. The experts run where the
+/// model does ([`crate::Placement`]).
+#[derive(Clone, Debug, Default)]
 pub struct MoeOptions {
     pub scheme: Option<QuantScheme>,
     pub switches: FusedSwitches,
-    pub device: Device,
-}
-
-impl Default for MoeOptions {
-    fn default() -> Self {
-        MoeOptions {
-            scheme: None,
-            switches: FusedSwitches::default(),
-            device: Device::Cpu,
-        }
-    }
 }
 
 /// The MoE method for a checkpoint stored as `checkpoint`, given the requested one. bf16

@@ -39,6 +39,21 @@ pub struct RopeTable {
     half: usize,
 }
 
+impl RopeTable {
+    /// cos `[tokens, rotary_dim / 2]` (× the attention factor), row-major.
+    pub fn cos(&self) -> &[f32] {
+        &self.cos
+    }
+    /// sin, as [`Self::cos`].
+    pub fn sin(&self) -> &[f32] {
+        &self.sin
+    }
+    /// `rotary_dim / 2`.
+    pub fn half(&self) -> usize {
+        self.half
+    }
+}
+
 impl Rotary {
     /// The schedule of `cfg` for `rotary_dim` (even) dimensions.
     pub fn new(cfg: &RopeConfig, rotary_dim: usize, style: RopeStyle) -> Rotary {

@@ -1,0 +1,317 @@
+//! The device KV cache: per layer and stream one `[slots, width]` slab in the model's dtype on the
+//! model's device, allocated once from a token budget. Each sequence owns a contiguous slot range
+//! (first fit over the free ranges), so its rows for positions `0..n` are slab rows
+//! `base..base + n` in every layer and stream: attention reads them in place
+//! (`SeqSpan::kv_start = base`), and an append is one device-to-device copy per (sequence,
+//! layer, stream). No KV traffic between host and device after the allocation.
+
+use std::collections::HashMap;
+
+use fmoe_core::{DType, Device, Tensor};
+use fmoe_models::{Error, KvCache, KvLayout, KvStorage, Result, SeqId};
+
+const OP: &str = "SlabKvCache";
+
+struct Seq {
+    base: usize,
+    capacity: usize,
+    /// [layer][stream] rows appended.
+    len: Vec<Vec<usize>>,
+}
+
+/// Preallocated slabs for a model's [`KvLayout`] (see the module docs).
+pub struct SlabKvCache {
+    layout: KvLayout,
+    dtype: DType,
+    device: Device,
+    slots: usize,
+    /// [layer][stream] `[slots, width]`.
+    slabs: Vec<Vec<Tensor>>,
+    seqs: HashMap<SeqId, Seq>,
+    /// Free slot ranges (start, len), sorted by start, coalesced.
+    free: Vec<(usize, usize)>,
+    next: SeqId,
+}
+
+impl SlabKvCache {
+    /// Slabs for `slots` tokens (all sequences together) of `layout`, in `dtype` on `device`
+    /// (zero-filled: a memset on CUDA).
+    pub fn new(layout: KvLayout, dtype: DType, device: Device, slots: usize) -> Result<Self> {
+        if slots == 0 {
+            return Err(Error::input(OP, "a slab cache needs at least one slot"));
+        }
+        let slabs = (0..layout.num_layers)
+            .map(|_| {
+                layout
+                    .streams
+                    .iter()
+                    .map(|&w| Ok(Tensor::zeros([slots, w], dtype, &device)?))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(SlabKvCache {
+            layout,
+            dtype,
+            device,
+            slots,
+            slabs,
+            seqs: HashMap::new(),
+            free: vec![(0, slots)],
+            next: 0,
+        })
+    }
+
+    /// Bytes of `slots` tokens of `layout` in `dtype` (what [`SlabKvCache::new`] allocates).
+    pub fn bytes_for(layout: &KvLayout, dtype: DType, slots: usize) -> usize {
+        slots * layout.num_layers * layout.streams.iter().sum::<usize>() * dtype.size_in_bytes()
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    /// The token budget (slots of each slab).
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Slots not owned by any sequence.
+    pub fn free_slots(&self) -> usize {
+        self.free.iter().map(|f| f.1).sum()
+    }
+
+    pub fn num_sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// A new, empty sequence that may grow to `max_tokens` tokens (a contiguous slot range).
+    pub fn allocate(&mut self, max_tokens: usize) -> Result<SeqId> {
+        let id = self.next;
+        if max_tokens == 0 {
+            return Err(Error::input(
+                OP,
+                format!("sequence {id}: a sequence needs at least one slot"),
+            ));
+        }
+        let Some(at) = self.free.iter().position(|f| f.1 >= max_tokens) else {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "sequence {id} needs {max_tokens} contiguous slots; the budget is {} tokens, {} free (largest free range {})",
+                    self.slots,
+                    self.free_slots(),
+                    self.free.iter().map(|f| f.1).max().unwrap_or(0)
+                ),
+            ));
+        };
+        let (base, len) = self.free[at];
+        if len == max_tokens {
+            self.free.remove(at);
+        } else {
+            self.free[at] = (base + max_tokens, len - max_tokens);
+        }
+        self.next += 1;
+        let n = self.layout.streams.len();
+        self.seqs.insert(
+            id,
+            Seq {
+                base,
+                capacity: max_tokens,
+                len: vec![vec![0; n]; self.layout.num_layers],
+            },
+        );
+        Ok(id)
+    }
+
+    /// Drops a sequence, returning its slots (unknown ids are ignored). Its rows stay in the
+    /// slabs until overwritten: nothing reads slots outside a live sequence's range.
+    pub fn free(&mut self, seq: SeqId) {
+        let Some(s) = self.seqs.remove(&seq) else {
+            return;
+        };
+        let at = self.free.partition_point(|f| f.0 < s.base);
+        self.free.insert(at, (s.base, s.capacity));
+        // Coalesce with the neighbours.
+        if at + 1 < self.free.len() && self.free[at].0 + self.free[at].1 == self.free[at + 1].0 {
+            self.free[at].1 += self.free[at + 1].1;
+            self.free.remove(at + 1);
+        }
+        if at > 0 && self.free[at - 1].0 + self.free[at - 1].1 == self.free[at].0 {
+            self.free[at - 1].1 += self.free[at].1;
+            self.free.remove(at);
+        }
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Seq> {
+        self.seqs.get(&seq).ok_or_else(|| unknown(seq))
+    }
+
+    fn width(&self, layer: usize, stream: usize) -> Result<usize> {
+        if layer >= self.layout.num_layers {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "layer {layer} out of range ({} layers)",
+                    self.layout.num_layers
+                ),
+            ));
+        }
+        self.layout.streams.get(stream).copied().ok_or_else(|| {
+            Error::input(
+                OP,
+                format!(
+                    "stream {stream} out of range ({} streams)",
+                    self.layout.streams.len()
+                ),
+            )
+        })
+    }
+
+    /// Checks that `n` more rows fit `seq`'s range at (layer, stream); returns (slot, seq len).
+    fn reserve(&self, seq: SeqId, layer: usize, stream: usize, n: usize) -> Result<usize> {
+        self.width(layer, stream)?;
+        let s = self.seq(seq)?;
+        let len = s.len[layer][stream];
+        if len + n > s.capacity {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "sequence {seq}: {n} more tokens at layer {layer} would make {}, beyond its {} slots (cache budget {} tokens)",
+                    len + n,
+                    s.capacity,
+                    self.slots
+                ),
+            ));
+        }
+        Ok(s.base + len)
+    }
+}
+
+fn unknown(seq: SeqId) -> Error {
+    Error::input(OP, format!("unknown sequence {seq}"))
+}
+
+impl KvCache for SlabKvCache {
+    fn cached(&self, seq: SeqId, layer: usize) -> Result<usize> {
+        self.width(layer, 0)?;
+        Ok(self.seq(seq)?.len[layer][0])
+    }
+
+    /// Host rows: converted to the cache's dtype and uploaded (one copy per call).
+    fn append(&mut self, seq: SeqId, layer: usize, stream: usize, rows: &[f32]) -> Result<()> {
+        let w = self.width(layer, stream)?;
+        if w == 0 || !rows.len().is_multiple_of(w) {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "{} values are not whole rows of width {w} (layer {layer}, stream {stream})",
+                    rows.len()
+                ),
+            ));
+        }
+        let n = rows.len() / w;
+        let t = Tensor::from_f32(rows, [n, w], self.dtype, &self.device)?;
+        self.append_rows(seq, layer, stream, &t, 0, 0, n)
+    }
+
+    fn stream(&self, seq: SeqId, layer: usize, stream: usize) -> Result<&[f32]> {
+        let _ = (seq, layer, stream);
+        Err(Error::input(
+            OP,
+            "a slab cache has no host rows: read its slabs (KvCache::slab)",
+        ))
+    }
+
+    fn storage(&self) -> KvStorage {
+        KvStorage::Slab {
+            device: self.device,
+            dtype: self.dtype,
+        }
+    }
+
+    fn base_slot(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.base)
+    }
+
+    fn append_rows(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        stream: usize,
+        src: &Tensor,
+        first: usize,
+        col: usize,
+        n: usize,
+    ) -> Result<()> {
+        let slot = self.reserve(seq, layer, stream, n)?;
+        self.slabs[layer][stream].copy_rows_from(slot, src, first, col, n)?;
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len[layer][stream] += n;
+        }
+        Ok(())
+    }
+
+    fn slab(&self, layer: usize, stream: usize) -> Result<&Tensor> {
+        self.width(layer, stream)?;
+        Ok(&self.slabs[layer][stream])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        KvLayout {
+            num_layers: 2,
+            streams: vec![2, 3],
+        }
+    }
+
+    #[test]
+    fn sequences_own_contiguous_ranges_and_overflow_names_the_budget() {
+        let mut c = SlabKvCache::new(layout(), DType::F32, Device::Cpu, 10).unwrap();
+        let a = c.allocate(4).unwrap();
+        let b = c.allocate(5).unwrap();
+        assert_eq!((c.base_slot(a).unwrap(), c.base_slot(b).unwrap()), (0, 4));
+        // Rows 1..3 of src, columns 1..3, into a's stream 0 of layer 1.
+        let src =
+            Tensor::from_vec((0..12).map(|i| i as f32).collect(), [3, 4], &Device::Cpu).unwrap();
+        c.append_rows(a, 1, 0, &src, 1, 1, 2).unwrap();
+        assert_eq!(c.cached(a, 1).unwrap(), 2);
+        assert_eq!(c.cached(a, 0).unwrap(), 0);
+        let slab = c.slab(1, 0).unwrap().to_f32_vec().unwrap();
+        assert_eq!(&slab[..4], &[5.0, 6.0, 9.0, 10.0]);
+        // Host rows go through the same path.
+        c.append(b, 0, 1, &[1.0, 2.0, 3.0]).unwrap();
+        let slab = c.slab(0, 1).unwrap().to_f32_vec().unwrap();
+        assert_eq!(&slab[4 * 3..5 * 3], &[1.0, 2.0, 3.0]);
+        assert!(c.append(b, 0, 1, &[1.0, 2.0]).is_err());
+        // a holds 4 slots: 2 more fit, 3 do not.
+        let err = c
+            .append_rows(a, 1, 0, &src, 0, 0, 3)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("sequence 0") && err.contains("4 slots") && err.contains("budget 10"),
+            "{err}"
+        );
+        let err = c.allocate(2).unwrap_err().to_string();
+        assert!(
+            err.contains("sequence 2") && err.contains("1 free"),
+            "{err}"
+        );
+        // Freed ranges coalesce and are reused.
+        c.free(a);
+        c.free(b);
+        assert_eq!(c.free_slots(), 10);
+        let d = c.allocate(10).unwrap();
+        assert_eq!(c.base_slot(d).unwrap(), 0);
+        assert!(c.stream(d, 0, 0).is_err());
+        assert!(c.cached(a, 0).unwrap_err().to_string().contains("unknown"));
+        assert_eq!(
+            SlabKvCache::bytes_for(&layout(), DType::BF16, 10),
+            10 * 2 * 5 * 2
+        );
+    }
+}

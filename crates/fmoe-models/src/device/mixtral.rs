@@ -1,0 +1,172 @@
+//! Mixtral on the device path. Per layer: `add_rms_norm` (the previous branch's output joins the
+//! stream there) → one q/k/v GEMM over the weights concatenated at load → half-split rotary on
+//! q and k → K and V appended to the slab cache (column blocks of the batch's rows: one copy per
+//! sequence and stream) → `causal_attention` over the slabs in place → o_proj → `add_rms_norm` →
+//! router gate (f32 logits) → softmax top-k on the device → [`fmoe_moe::FusedMoe`].
+
+use fmoe_core::Tensor;
+use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
+use fmoe_kernels::elementwise::narrow_cols;
+use fmoe_kernels::linear::linear;
+use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
+use fmoe_moe::FusedMoe;
+
+use super::{DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense};
+use crate::Result;
+use crate::config::{MixtralConfig, QuantizationConfig};
+use crate::layers::{AttentionSpec, Rotary};
+use crate::loader::Vb;
+use crate::model::{ForwardBatch, KvCache, LogitsFor};
+
+struct Layer {
+    input_layernorm: Norm,
+    /// [q; k; v] rows: `[(heads + 2·kv_heads)·head_dim, hidden]`.
+    qkv_proj: Tensor,
+    o_proj: Tensor,
+    post_attention_layernorm: Norm,
+    moe: DeviceMoe,
+}
+
+/// The decoder stack and ends of a Mixtral model on the device.
+pub struct Model {
+    ends: Ends,
+    layers: Vec<Layer>,
+    rotary: Rotary,
+    spec: AttentionSpec,
+    ctx: DeviceCtx,
+}
+
+impl Model {
+    /// Loads the weights under the checkpoint root `vb`; `moe(i, vb)` builds layer `i`'s experts
+    /// (on `ctx.device`) from its `block_sparse_moe` cursor.
+    pub(crate) fn load(
+        cfg: &MixtralConfig,
+        vb: &Vb,
+        quant: &QuantizationConfig,
+        rotary: Rotary,
+        spec: AttentionSpec,
+        ctx: DeviceCtx,
+        moe: impl Fn(&Vb) -> Result<FusedMoe>,
+    ) -> Result<Model> {
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let ends = Ends::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings, &ctx)?;
+        let d = spec.head_dim;
+        let (q_out, kv_out) = (spec.num_heads * d, spec.num_kv_heads * d);
+        let m = vb.pp("model");
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| -> Result<Layer> {
+                let vb = m.pp("layers").pp(i);
+                let a = vb.pp("self_attn");
+                let parts = [("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)]
+                    .map(|(name, out)| load_dense(&a.pp(name), out, h, quant, &ctx));
+                let [q, k, v] = parts;
+                let qkv_proj = concat_rows(&[q?, k?, v?], &ctx)?;
+                let moe_vb = vb.pp("block_sparse_moe");
+                // The router stays unquantized in fp8 checkpoints.
+                let gate = load_dense(
+                    &moe_vb.pp("gate"),
+                    cfg.num_local_experts,
+                    h,
+                    &QuantizationConfig::None,
+                    &ctx,
+                )?;
+                Ok(Layer {
+                    input_layernorm: Norm::load(
+                        &vb.pp("input_layernorm"),
+                        h,
+                        cfg.rms_norm_eps,
+                        &ctx,
+                    )?,
+                    qkv_proj,
+                    o_proj: load_dense(&a.pp("o_proj"), h, q_out, quant, &ctx)?,
+                    post_attention_layernorm: Norm::load(
+                        &vb.pp("post_attention_layernorm"),
+                        h,
+                        cfg.rms_norm_eps,
+                        &ctx,
+                    )?,
+                    moe: DeviceMoe::new(gate, moe(&moe_vb)?, None)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model {
+            ends,
+            layers,
+            rotary,
+            spec,
+            ctx,
+        })
+    }
+
+    pub fn ctx(&self) -> DeviceCtx {
+        self.ctx
+    }
+
+    pub(crate) fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
+        self.layers.iter().map(|l| l.moe.experts())
+    }
+
+    pub(crate) fn forward(
+        &self,
+        batch: &ForwardBatch,
+        cache: &mut dyn KvCache,
+        which: LogitsFor,
+    ) -> Result<Tensor> {
+        self.ctx.check_cache(cache)?;
+        let t = batch.num_tokens();
+        let s = &self.spec;
+        let d = s.head_dim;
+        let (q_w, kv_w) = (s.num_heads * d, s.num_kv_heads * d);
+        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, self.ctx.device)?;
+        let spans = batch
+            .spans
+            .iter()
+            .map(|sp| {
+                Ok(SeqSpan {
+                    q_start: sp.offset,
+                    q_len: sp.len,
+                    kv_start: cache.base_slot(sp.seq)?,
+                    past: sp.start_pos,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let params = AttentionParams {
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_kv_heads,
+            qk_dim: d,
+            v_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sliding_window: s.sliding_window,
+        };
+        let dtype = self.ctx.dtype;
+        let rotate = |x: &Tensor, heads: usize| -> Result<Tensor> {
+            Ok(apply_rotary(
+                x,
+                heads,
+                d,
+                0,
+                d,
+                &rope.cos,
+                &rope.sin,
+                RotaryStyle::HalfSplit,
+            )?)
+        };
+        let mut res = Residual::new(self.ends.embed(&batch.tokens)?);
+        for (i, l) in self.layers.iter().enumerate() {
+            let a = res.norm(&l.input_layernorm)?;
+            let qkv = linear(&a, &l.qkv_proj, dtype)?;
+            let q = rotate(&narrow_cols(&qkv, 0, q_w)?, s.num_heads)?;
+            let k = rotate(&narrow_cols(&qkv, q_w, kv_w)?, s.num_kv_heads)?;
+            for sp in &batch.spans {
+                cache.append_rows(sp.seq, i, 0, &k, sp.offset, 0, sp.len)?;
+                // V straight from its columns of the q/k/v rows.
+                cache.append_rows(sp.seq, i, 1, &qkv, sp.offset, q_w + kv_w, sp.len)?;
+            }
+            let o = causal_attention(&q, cache.slab(i, 0)?, cache.slab(i, 1)?, &spans, &params)?;
+            res.push(linear(&o, &l.o_proj, dtype)?);
+            let m = res.norm(&l.post_attention_layernorm)?;
+            res.push(l.moe.forward(&m, None)?);
+        }
+        self.ends.logits(res, batch, which)
+    }
+}
