@@ -1,4 +1,5 @@
-//! fmoe-kernels: the fused-MoE kernel library. It knows tensors, not models.
+//! fmoe-kernels: the fused-MoE kernel library and the dense kernels around it. It knows tensors,
+//! not models.
 //!
 //! Families (one folder each; `mod.rs` validates and dispatches on the device, `cpu.rs` is the
 //! mandatory CPU twin, a `cuda.rs` joins it when the backend exists):
@@ -9,15 +10,14 @@
 //! - [`moe_gemm`]: the grouped expert GEMMs: GEMM1 over w13 with SiLU⊙mul fused, GEMM2 over w2 with
 //!   the routing weight and top-k reduction fused (`fused` family), and the per-expert loop
 //!   baseline (`portable` family).
-//!
-//! - [`attention`]: causal / sliding-window softmax attention over a varlen batch (GQA, separate
-//!   q·k and v widths), the dense layers' one heavy kernel: flash-attention prefill on tensor cores
-//!   and split-KV flash-decoding.
 //! - [`elementwise`]: casts, adds, random fills and sums on the tensor's device (the glue around
 //!   the GEMMs, and the benchmark's device-side weights); SiLU⊙mul and the row/column copies the
 //!   dense model path needs (embedding gather, narrows, per-head concatenation).
 //!
 //! The dense model path (attention blocks, dense MLPs, norms, heads):
+//! - [`attention`]: causal / sliding-window softmax attention over a varlen batch (GQA, separate
+//!   q·k and v widths), the dense layers' one heavy kernel: flash-attention prefill on tensor cores
+//!   and split-KV flash-decoding.
 //! - [`linear`]: `y = x·wᵀ` (nn.Linear layout), cuBLAS on CUDA ([`cublas`] loads it at run time
 //!   and keeps one handle per backend, on the backend's stream).
 //! - [`norm`]: RMSNorm and the fused residual add + RMSNorm.
