@@ -8,9 +8,7 @@
 //! `FMOE_REQUIRE_CUDA=1`. The timing against torch's SDPA is
 //! `attention::cuda::tests::timing_vs_peer` (ignored) in the library's unit tests.
 
-use std::sync::Arc;
-
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Error as CoreError, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
@@ -20,23 +18,6 @@ use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
 
 const CUDA: Device = Device::Cuda(0);
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 /// A batch: per sequence (q_len, past); q rows and k/v rows are laid out with gaps (NaN rows)
 /// between sequences, and `extra_q` NaN q rows at the end that no span covers.
@@ -297,7 +278,7 @@ fn mixed(heads: usize, kv_heads: usize, dq: usize, dv: usize, window: Option<usi
 
 #[test]
 fn head_widths_and_windows() {
-    let gpu = backend_or_skip().is_some();
+    let gpu = test_backend_or_skip().is_some();
     let mut r = Vec::new();
     let mut seed = 1;
     for (dq, dv) in [(16, 16), (24, 16), (64, 64), (128, 128), (192, 128)] {
@@ -318,7 +299,7 @@ fn head_widths_and_windows() {
 
 #[test]
 fn gqa_groups() {
-    let gpu = backend_or_skip().is_some();
+    let gpu = test_backend_or_skip().is_some();
     let mut r = Vec::new();
     // Groups 1, 4, 8, 16 (one decode tile exactly) and 32 (decode spans on the prefill kernel).
     for (i, (h, kvh)) in [(8, 8), (32, 8), (32, 4), (16, 1), (32, 1)]
@@ -342,7 +323,7 @@ fn gqa_groups() {
 #[test]
 fn long_decode_and_long_prefill() {
     // Long cases need the device (their reference alone is seconds on a small CPU).
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let mut r = Vec::new();
@@ -379,7 +360,7 @@ fn long_decode_and_long_prefill() {
 
 #[test]
 fn empty_batches_and_unsupported_inputs() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let p = AttentionParams {

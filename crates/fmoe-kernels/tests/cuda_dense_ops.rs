@@ -17,10 +17,8 @@
 //! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure. `linear_mixtral_shapes_timed` prints
 //! informal M = 1 timings (run with `--test-threads=1 --nocapture` to see them undisturbed).
 
-use std::sync::Arc;
-
 use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::{CudaBackend, set_poison_allocations, test_backend_or_skip};
 use fmoe_core::{DType, Device, Storage, Tensor};
 use fmoe_kernels::elementwise::{
     concat_heads, gather_rows, narrow_cols, narrow_rows, rand_uniform, silu_mul, sum,
@@ -36,23 +34,6 @@ const CUDA: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 const FLOATS: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 const ROWS: [usize; 4] = [0, 1, 7, 300];
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 /// Normal values times `scale`, rounded to `dtype`, on the host; also their exact values.
 fn normal(dims: &[usize], dtype: DType, scale: f32, seed: u64) -> (Tensor, Vec<f64>) {
@@ -169,7 +150,9 @@ fn linear_ref(x: &[f64], w: &[f64], k: usize, at: &[(usize, usize)]) -> Vec<(f64
 
 #[test]
 fn linear_matches_f64_at_odd_and_model_sizes() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let mut seed = 100;
     for &(n, k) in &[(13usize, 37usize), (1, 8), (4096, 4096), (100, 14336)] {
@@ -223,7 +206,9 @@ fn linear_matches_f64_at_odd_and_model_sizes() {
 
 #[test]
 fn linear_mixtral_shapes_timed() {
-    let Some(b) = backend_or_skip() else { return };
+    let Some(b) = test_backend_or_skip() else {
+        return;
+    };
     let k = 4096;
     let blocker = rand_uniform(&[1 << 31], DType::BF16, 1.0, 0.0, 9, &CUDA).unwrap();
     for n in [4096usize, 14336] {
@@ -298,7 +283,9 @@ fn rms_ref(x: &[f64], w: &[f64], h: usize, eps: f64, dtype: DType) -> Vec<f64> {
 
 #[test]
 fn rms_norm_and_add_rms_norm_match_f64() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let eps = 1e-6f32;
     let mut seed = 200;
     for h in [4096usize, 7168, 37, 100] {
@@ -402,7 +389,9 @@ fn rotary_ref(
 
 #[test]
 fn rotary_matches_f64() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     // (heads, head_dim, rot_offset, rot_dim, style): Mixtral q and k, DeepSeek-V3 q (nope 128 +
     // rope 64, interleaved) and its shared rope key, and an odd small geometry.
     let geoms = [
@@ -455,7 +444,9 @@ fn rotary_matches_f64() {
 
 #[test]
 fn silu_mul_matches_f64() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let mut seed = 400;
     for i in [14336usize, 37, 1, 2048] {
         for &m in &ROWS {
@@ -487,7 +478,9 @@ fn silu_mul_matches_f64() {
 
 #[test]
 fn copies_are_exact() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     let dtypes = [
         DType::BF16,
@@ -553,7 +546,9 @@ fn copies_are_exact() {
 
 #[test]
 fn concat_heads_is_exact() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let mut seed = 500;
     // (rows, heads, da, db): MLA keys (128 heads, nope 128 | rope 64), tiny DeepSeek (4, 16 | 8),
     // odd widths, and heads = 1 (a plain column concatenation).
@@ -600,7 +595,9 @@ fn concat_heads_is_exact() {
 
 #[test]
 fn rand_uniform_is_bit_identical_to_the_cpu() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     for dtype in [DType::F32, DType::BF16, DType::F16, DType::F8E4M3] {
         for (n, scale, offset, seed) in [
             (0usize, 1.0f32, 0.0f32, 1u64),

@@ -6,9 +6,8 @@
 //! an output element a kernel never writes shows up as NaN / u32::MAX.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::elementwise;
@@ -18,23 +17,6 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const CUDA: Device = Device::Cuda(0);
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 fn u32s(t: &Tensor) -> Vec<u32> {
     let t = t.to_device(Device::Cpu).unwrap();
@@ -93,7 +75,7 @@ fn assert_same_alignment(gpu: &AlignedRoutes, cpu: &AlignedRoutes, what: &str) {
 
 #[test]
 fn moe_align_matches_the_cpu_twin() {
-    let Some(_b) = backend_or_skip() else {
+    let Some(_b) = test_backend_or_skip() else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0xa11);
@@ -137,7 +119,7 @@ fn moe_align_matches_the_cpu_twin() {
 
 #[test]
 fn out_of_range_expert_ids_are_reported_by_check() {
-    let Some(_b) = backend_or_skip() else {
+    let Some(_b) = test_backend_or_skip() else {
         return;
     };
     let ids = Tensor::from_vec(vec![0u32, 3, 9, 1, 12, 2], [3, 2], &CUDA).unwrap();
@@ -165,7 +147,7 @@ fn out_of_range_expert_ids_are_reported_by_check() {
 
 #[test]
 fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
-    let Some(_b) = backend_or_skip() else {
+    let Some(_b) = test_backend_or_skip() else {
         return;
     };
     let (m, e, k, n, top_k) = (3, 2, 100, 32, 1);
@@ -209,7 +191,7 @@ fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
 
 #[test]
 fn elementwise_kernels_match_their_cpu_twins() {
-    let Some(_b) = backend_or_skip() else {
+    let Some(_b) = test_backend_or_skip() else {
         return;
     };
     for n in [0usize, 1, 7, 1000, 100_003] {

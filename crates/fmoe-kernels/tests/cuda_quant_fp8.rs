@@ -7,9 +7,7 @@
 //! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure. Allocations are poisoned (0xFF: the
 //! e4m3 NaN code, NaN scales), so an element a kernel never writes counts as a mismatch.
 
-use std::sync::Arc;
-
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, F8E4M3, Tensor};
 use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, WeightOperand};
@@ -23,23 +21,6 @@ use rand_distr::{Distribution, StandardNormal};
 
 const CUDA: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 /// Rows of standard normals, each row scaled by exp(3·z) (magnitudes over many binades, so
 /// subnormal codes, saturation-free maxima and every exponent occur), x[0] = 0.
@@ -86,7 +67,7 @@ fn mismatches<T: PartialEq>(a: &[T], b: &[T]) -> usize {
 
 #[test]
 fn quantization_kernels_are_bit_exact_with_the_cpu_twin() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let shapes = [
@@ -173,7 +154,7 @@ fn quantization_kernels_are_bit_exact_with_the_cpu_twin() {
 
 #[test]
 fn non_finite_input_is_reported_like_the_cpu_twin() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
@@ -203,7 +184,7 @@ fn non_finite_input_is_reported_like_the_cpu_twin() {
 
 #[test]
 fn what_has_no_cuda_kernel_is_a_clear_error() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let x = data(4, 256, DType::F16, 3).to_device(CUDA).unwrap();
@@ -218,7 +199,7 @@ fn what_has_no_cuda_kernel_is_a_clear_error() {
 
 #[test]
 fn fp8_gemm_contract_errors_name_the_dimension() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let (m, e, top_k) = (3, 2, 1);

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations, test_backend_or_skip};
 use fmoe_core::{DType, Device, Error as CoreError, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::nvrtc::{KernelCache, KernelSpec, Origin};
@@ -18,22 +18,6 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 const CUDA: Device = Device::Cuda(0);
-
-/// The device, or `None` after printing why the test is skipped; panics instead under
-/// `FMOE_REQUIRE_CUDA=1`.
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 #[test]
 fn no_gpu_is_a_one_line_error() {
@@ -96,7 +80,7 @@ fn host(t: &TopK) -> (Vec<f32>, Vec<u32>) {
 
 #[test]
 fn topk_softmax_matches_the_cpu_twin() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     // Every output element the kernel leaves unwritten would read as NaN / u32::MAX.
@@ -155,7 +139,7 @@ fn topk_softmax_matches_the_cpu_twin() {
 
 #[test]
 fn non_finite_logits_give_the_cpu_twins_error() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     let (m, e) = (9, 16);
@@ -184,7 +168,7 @@ fn non_finite_logits_give_the_cpu_twins_error() {
 
 #[test]
 fn cuda_tensors_refuse_host_access() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     let t = Tensor::from_vec(vec![1.0f32, 2.0, 3.0, 4.0], [2, 2], &CUDA).unwrap();
@@ -270,7 +254,7 @@ fn params(top_k: usize, n_group: usize, topk_group: usize, renormalize: bool) ->
 
 #[test]
 fn grouped_topk_matches_the_cpu_twin_on_deepseek_v3() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     // Every output element the kernel leaves unwritten would read as NaN / u32::MAX.
@@ -291,7 +275,7 @@ fn grouped_topk_matches_the_cpu_twin_on_deepseek_v3() {
 
 #[test]
 fn grouped_topk_matches_the_cpu_twin_on_odd_configs() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     set_poison_allocations(true);
@@ -340,7 +324,7 @@ fn grouped_topk_matches_the_cpu_twin_on_odd_configs() {
 
 #[test]
 fn grouped_topk_non_finite_gives_the_cpu_twins_error() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     let (m, e) = (9, 16);
@@ -389,7 +373,7 @@ fn grouped_topk_non_finite_gives_the_cpu_twins_error() {
 
 #[test]
 fn routing_past_the_kernels_expert_limit_is_unsupported() {
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     let e = 1025;
@@ -451,7 +435,7 @@ fn load_and_run(backend: &Arc<CudaBackend>, cache: &KernelCache, scale: u32) -> 
 /// One test for everything that touches the cache folder, so nothing races on it.
 #[test]
 fn nvrtc_disk_cache_is_written_reused_and_repaired() {
-    let Some(backend) = backend_or_skip() else {
+    let Some(backend) = test_backend_or_skip() else {
         return;
     };
     let nanos = std::time::SystemTime::now()
@@ -520,7 +504,7 @@ fn nvrtc_disk_cache_is_written_reused_and_repaired() {
 #[test]
 fn random_rows_agree_at_decode_sizes() {
     // Small M (decode) over many seeds, where a per-row indexing slip would show.
-    let Some(_backend) = backend_or_skip() else {
+    let Some(_backend) = test_backend_or_skip() else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(42);

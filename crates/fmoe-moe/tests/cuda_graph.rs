@@ -16,9 +16,7 @@
 //! NaN), during capture too, so every replay first fills its buffers with NaN: an element a replay
 //! did not recompute cannot equal the eager output.
 
-use std::sync::Arc;
-
-use fmoe_core::cuda::{CudaBackend, capture_graph, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::{capture_graph, cuda_backend, test_backend_or_skip};
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::routing::{GroupedTopKParams, TopK, grouped_topk, topk_softmax};
@@ -28,23 +26,6 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 
 const CUDA: Device = Device::Cuda(0);
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 fn randn(rng: &mut ChaCha8Rng, dims: &[usize], scale: f32) -> Tensor {
     let n = dims.iter().product();
@@ -151,7 +132,7 @@ fn check_replay(what: &str, layer: &FusedMoe, x: &Tensor, topk: &TopK) -> bool {
 
 #[test]
 fn graph_replays_equal_the_eager_forward() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x9a4f);
@@ -183,7 +164,7 @@ fn graph_replays_equal_the_eager_forward() {
 
 #[test]
 fn graph_replays_equal_the_eager_forward_with_a_shared_expert() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(0x5a3d);
@@ -209,7 +190,7 @@ fn graph_replays_equal_the_eager_forward_with_a_shared_expert() {
 
 #[test]
 fn an_uncapturable_forward_is_an_error_and_the_stream_recovers() {
-    let Some(backend) = backend_or_skip() else {
+    let Some(backend) = test_backend_or_skip() else {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0xbad9);

@@ -15,9 +15,7 @@
 //! shared output are each rounded to bf16 and their sum once more: 3·2⁻⁸ + 2e-4 ≈ 1.19e-2, so
 //! that test allows 1.25e-2.
 
-use std::sync::Arc;
-
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::moe_align::align_routes;
@@ -36,23 +34,6 @@ const CPU: Device = Device::Cpu;
 /// See the module docs.
 const TOL: f64 = 1e-2;
 const TOL_SHARED: f64 = 1.25e-2;
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
@@ -206,7 +187,7 @@ fn run_cases(cases: &[Case], seed0: u64) {
 
 #[test]
 fn small_shapes_match_the_f64_reference() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     run_cases(SMALL, 7000);
@@ -214,7 +195,7 @@ fn small_shapes_match_the_f64_reference() {
 
 #[test]
 fn large_shapes_match_the_f64_reference() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     run_cases(LARGE, 8000);
@@ -222,7 +203,7 @@ fn large_shapes_match_the_f64_reference() {
 
 #[test]
 fn small_experts_without_tokens_and_forward_with_routing() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     // Only experts 1 and 6 of 8 receive routes (the first and last expert get none).
@@ -261,7 +242,7 @@ fn small_experts_without_tokens_and_forward_with_routing() {
 
 #[test]
 fn small_shared_expert_is_added_on_the_device() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let c = case(19, 8, 128, 64, 2);
@@ -379,7 +360,7 @@ fn experts_for(scheme: QuantScheme, w13: &Tensor, w2: &Tensor) -> CheckpointExpe
 /// `cuda_moe_fp8.rs`'s.
 #[test]
 fn small_fp8_checkpoints_load_and_run_on_cuda() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let c = case(5, 4, 128, 64, 2);
@@ -425,7 +406,7 @@ fn small_fp8_checkpoints_load_and_run_on_cuda() {
 
 #[test]
 fn small_bad_input_on_cuda_is_an_error_not_a_panic() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     // K not a multiple of 8: the CUDA GEMM's contract, naming the dimension.

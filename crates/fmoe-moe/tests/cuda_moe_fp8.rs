@@ -25,9 +25,7 @@
 //!   four e4m3 roundings (a1, w13, a2, w2), each ≤ 2⁻⁴ relative, (1 + 2⁻⁴)⁴ − 1 ≈ 0.27 worst case;
 //!   typically ≈ 6.5e-2.
 
-use std::sync::Arc;
-
-use fmoe_core::cuda::{CudaBackend, cuda_backend, set_poison_allocations};
+use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::nvrtc::trace_launches;
@@ -45,23 +43,6 @@ const TOL_SAME: f64 = 1e-2;
 const TOL_F32H: f64 = 3e-2;
 const TOL_QUANT: f64 = 0.27;
 const FP8: [QuantScheme; 2] = [QuantScheme::Fp8PerTensor, QuantScheme::Fp8Block];
-
-fn backend_or_skip() -> Option<Arc<CudaBackend>> {
-    match cuda_backend(0) {
-        Ok(b) => {
-            set_poison_allocations(true);
-            Some(b)
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            None
-        }
-    }
-}
 
 fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
@@ -263,7 +244,7 @@ fn run_cases(cases: &[Case], seed0: u64) {
 
 #[test]
 fn small_fp8_layers_match_the_f64_reference() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     run_cases(SMALL, 17_000);
@@ -271,7 +252,7 @@ fn small_fp8_layers_match_the_f64_reference() {
 
 #[test]
 fn large_fp8_layers_match_the_f64_reference() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     run_cases(LARGE, 18_000);
@@ -281,7 +262,7 @@ fn large_fp8_layers_match_the_f64_reference() {
 /// families, ragged tiles, experts without tokens).
 #[test]
 fn sanitizer_tiny_fp8_layers() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     run_cases(
@@ -296,7 +277,7 @@ fn sanitizer_tiny_fp8_layers() {
 
 #[test]
 fn non_finite_input_reaches_the_deferred_check_not_a_synchronization() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let c = case(9, 4, 256, 128, 2);
@@ -343,7 +324,7 @@ fn launched(trace: &[String]) -> (bool, bool, Vec<&'static str>) {
 
 #[test]
 fn dispatch_truth_table_holds_on_cuda_per_scheme() {
-    if backend_or_skip().is_none() {
+    if test_backend_or_skip().is_none() {
         return;
     }
     let c = case(5, 4, 128, 64, 2);

@@ -319,6 +319,27 @@ fn load_nvrtc() -> std::result::Result<(u32, u32), String> {
     }
 }
 
+/// The GPU tests' entry point: device 0 with poisoned allocations (see
+/// [`set_poison_allocations`]; `FMOE_TEST_POISON=0` leaves fresh memory unfilled for
+/// compute-sanitizer's initcheck, to which a fill is an initialization), or `None` after printing
+/// why the test skips. Under `FMOE_REQUIRE_CUDA=1` a missing GPU fails the test instead.
+pub fn test_backend_or_skip() -> Option<Arc<CudaBackend>> {
+    match cuda_backend(0) {
+        Ok(b) => {
+            set_poison_allocations(std::env::var("FMOE_TEST_POISON").as_deref() != Ok("0"));
+            Some(b)
+        }
+        Err(e) => {
+            assert!(
+                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "FMOE_REQUIRE_CUDA=1 but {e}"
+            );
+            println!("skipping: {e}");
+            None
+        }
+    }
+}
+
 static POISON_ALLOCATIONS: AtomicBool = AtomicBool::new(false);
 
 /// Debugging aid: while on, every buffer from [`CudaStorage::alloc`] is filled with `0xFF` bytes

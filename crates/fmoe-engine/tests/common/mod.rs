@@ -55,28 +55,10 @@ impl Target {
     }
 }
 
-/// Whether CUDA tests run: a device is there (allocations then poisoned with 0xFF, so a kernel
-/// that skips an output element shows; see FMOE_TEST_POISON below), or why not (printed; a failure under
-/// `FMOE_REQUIRE_CUDA=1`).
+/// Whether CUDA tests run ([`fmoe_core::cuda::test_backend_or_skip`]: allocations poisoned, a
+/// printed reason to skip, a failure under `FMOE_REQUIRE_CUDA=1`).
 pub fn cuda_or_skip() -> bool {
-    match fmoe_core::cuda::cuda_backend(0) {
-        Ok(_) => {
-            // FMOE_TEST_POISON=0 leaves fresh memory unfilled, for compute-sanitizer's initcheck
-            // (to which a poison fill is an initialization).
-            fmoe_core::cuda::set_poison_allocations(
-                std::env::var("FMOE_TEST_POISON").as_deref() != Ok("0"),
-            );
-            true
-        }
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            false
-        }
-    }
+    fmoe_core::cuda::test_backend_or_skip().is_some()
 }
 
 /// The part of a fixture's expected.json that both models' tests read.
