@@ -2,13 +2,18 @@
 //! model's device, allocated once from a token budget. Each sequence owns a contiguous slot range
 //! (first fit over the free ranges), so its rows for positions `0..n` are slab rows
 //! `base..base + n` in every layer and stream: attention reads them in place
-//! (`SeqSpan::kv_start = base`), and an append is one device-to-device copy per (sequence,
-//! layer, stream). No KV traffic between host and device after the allocation.
+//! (`SeqSpan::kv_start = base`). A forward pass gets the batch's slot mapping once
+//! ([`KvCache::slot_mapping`]: the slot of each new token, one upload) and appends each layer
+//! through it: one launch for two streams, whatever the batch ([`KvCache::append_mapped`],
+//! `fmoe_kernels::kv_cache`). [`KvCache::append_rows`] (one device-to-device copy per call)
+//! remains for single sequences. No KV traffic between host and device after the allocation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_models::{Error, KvCache, KvLayout, KvStorage, Result, SeqId};
+use fmoe_kernels::elementwise::RowIndex;
+use fmoe_kernels::kv_cache::{self, KvSource};
+use fmoe_models::{Error, KvCache, KvLayout, KvStorage, Result, SeqId, SlotMapping};
 
 const OP: &str = "SlabKvCache";
 
@@ -254,6 +259,92 @@ impl KvCache for SlabKvCache {
     fn slab(&self, layer: usize, stream: usize) -> Result<&Tensor> {
         self.width(layer, stream)?;
         Ok(&self.slabs[layer][stream])
+    }
+
+    /// Each chunk's tokens go to the slots after its sequence's rows at layer 0 (every layer
+    /// holds as many at the start of a pass; [`KvCache::append_mapped`] checks it).
+    fn slot_mapping(&self, chunks: &[(SeqId, usize)]) -> Result<SlotMapping> {
+        let mut seen = HashSet::new();
+        let mut slots = Vec::with_capacity(chunks.iter().map(|c| c.1).sum());
+        let mut out = Vec::with_capacity(chunks.len());
+        for &(seq, n) in chunks {
+            if !seen.insert(seq) {
+                return Err(Error::input(
+                    OP,
+                    format!("sequence {seq} appears twice in one slot mapping"),
+                ));
+            }
+            let start = self.seq(seq)?.len[0][0];
+            let slot = self.reserve(seq, 0, 0, n)?;
+            slots.extend((slot..slot + n).map(|s| s as u32));
+            out.push((seq, start, n));
+        }
+        if self.slots > u32::MAX as usize + 1 {
+            return Err(Error::input(
+                OP,
+                format!("{} slots exceed the u32 slot ids", self.slots),
+            ));
+        }
+        Ok(SlotMapping {
+            chunks: out,
+            slots: RowIndex::new(&slots, self.device)?,
+        })
+    }
+
+    fn append_mapped(
+        &mut self,
+        layer: usize,
+        sources: &[KvSource<'_>],
+        map: &SlotMapping,
+    ) -> Result<()> {
+        let streams = self.layout.streams.len();
+        self.width(layer, 0)?;
+        if sources.len() != streams {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "{} sources for the {streams} streams of layer {layer}",
+                    sources.len()
+                ),
+            ));
+        }
+        let mut tokens = 0;
+        for &(seq, start, n) in &map.chunks {
+            let s = self.seq(seq)?;
+            for (stream, &len) in s.len[layer].iter().enumerate() {
+                if len != start {
+                    return Err(Error::input(
+                        OP,
+                        format!(
+                            "sequence {seq}: layer {layer} stream {stream} holds {len} rows, the slot mapping was made at {start}"
+                        ),
+                    ));
+                }
+            }
+            self.reserve(seq, layer, 0, n)?;
+            tokens += n;
+        }
+        if tokens != map.slots.len() {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "the slot mapping's chunks hold {tokens} tokens, its slots {}",
+                    map.slots.len()
+                ),
+            ));
+        }
+        for (slabs, srcs) in self.slabs[layer]
+            .chunks_mut(kv_cache::MAX_STREAMS)
+            .zip(sources.chunks(kv_cache::MAX_STREAMS))
+        {
+            kv_cache::append_rows(slabs, srcs, &map.slots)?;
+        }
+        for &(seq, _, n) in &map.chunks {
+            if let Some(s) = self.seqs.get_mut(&seq) {
+                s.len[layer].iter_mut().for_each(|l| *l += n);
+            }
+        }
+        Ok(())
     }
 }
 
