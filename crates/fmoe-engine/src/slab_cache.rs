@@ -405,4 +405,77 @@ mod tests {
             10 * 2 * 5 * 2
         );
     }
+
+    #[test]
+    fn a_slot_mapping_appends_every_layer_like_per_sequence_copies() {
+        // Two sequences, a: 2 tokens cached, b: none; the batch is a's 1 new token, then b's 3.
+        let src = |rows: usize, w: usize, from: f32| {
+            Tensor::from_vec(
+                (0..rows * w).map(|i| from + i as f32).collect(),
+                [rows, w],
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let mut mapped = SlabKvCache::new(layout(), DType::F32, Device::Cpu, 12).unwrap();
+        let mut copied = SlabKvCache::new(layout(), DType::F32, Device::Cpu, 12).unwrap();
+        let (a, b) = (mapped.allocate(4).unwrap(), mapped.allocate(6).unwrap());
+        assert_eq!(
+            (copied.allocate(4).unwrap(), copied.allocate(6).unwrap()),
+            (a, b)
+        );
+        let past = src(2, 5, -20.0);
+        for c in [&mut mapped, &mut copied] {
+            for layer in 0..2 {
+                c.append_rows(a, layer, 0, &past, 0, 0, 2).unwrap();
+                c.append_rows(a, layer, 1, &past, 0, 2, 2).unwrap();
+            }
+        }
+        let map = mapped.slot_mapping(&[(a, 1), (b, 3)]).unwrap();
+        assert_eq!(map.chunks, vec![(a, 2, 1), (b, 0, 3)]);
+        assert_eq!(
+            map.slots.ids().cpu_slice::<u32>("t", "slots").unwrap(),
+            &[2, 4, 5, 6]
+        );
+        for layer in 0..2 {
+            // Stream 0 from k [4, 2]; stream 1 from columns 2..5 of qkv [4, 5].
+            let (k, qkv) = (src(4, 2, 100.0 * layer as f32), src(4, 5, 7.0));
+            let kv = [KvSource { src: &k, col: 0 }, KvSource { src: &qkv, col: 2 }];
+            mapped.append_mapped(layer, &kv, &map).unwrap();
+            for (seq, first, n) in [(a, 0, 1), (b, 1, 3)] {
+                copied.append_rows(seq, layer, 0, &k, first, 0, n).unwrap();
+                copied
+                    .append_rows(seq, layer, 1, &qkv, first, 2, n)
+                    .unwrap();
+            }
+            for stream in 0..2 {
+                assert_eq!(
+                    mapped.slab(layer, stream).unwrap().to_f32_vec().unwrap(),
+                    copied.slab(layer, stream).unwrap().to_f32_vec().unwrap(),
+                    "layer {layer} stream {stream}"
+                );
+            }
+            assert_eq!(mapped.cached(a, layer).unwrap(), 3);
+            assert_eq!(mapped.cached(b, layer).unwrap(), 3);
+        }
+        // A mapping is for one pass: a layer already appended through it is refused, as are
+        // the wrong number of sources, repeated or unknown sequences and overflowing chunks.
+        let (k, qkv) = (src(4, 2, 0.0), src(4, 5, 0.0));
+        let kv = [KvSource { src: &k, col: 0 }, KvSource { src: &qkv, col: 2 }];
+        let e = mapped.append_mapped(0, &kv, &map).unwrap_err().to_string();
+        assert!(e.contains("holds 3 rows") && e.contains("made at 2"), "{e}");
+        let e = mapped
+            .append_mapped(0, &kv[..1], &map)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 sources for the 2 streams"), "{e}");
+        let e = mapped
+            .slot_mapping(&[(a, 1), (a, 1)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("twice"), "{e}");
+        assert!(mapped.slot_mapping(&[(9, 1)]).is_err());
+        let e = mapped.slot_mapping(&[(a, 2)]).unwrap_err().to_string();
+        assert!(e.contains("4 slots"), "{e}");
+    }
 }
