@@ -414,6 +414,18 @@ impl Tensor {
         }
     }
 
+    /// The storage, for a kernel that writes into this tensor in place (a KV-cache slab). Like
+    /// [`Tensor::copy_rows_from`], it needs the storage unshared (no clone alive), else an error
+    /// naming `op`, so no other tensor ever sees the change.
+    pub fn storage_mut(&mut self, op: &'static str) -> Result<&mut Storage> {
+        Arc::get_mut(&mut self.storage).ok_or_else(|| {
+            Error::invalid(
+                op,
+                "the destination's storage is shared with another tensor (tensors are immutable)",
+            )
+        })
+    }
+
     /// Host slice of element type `T`; `op`/`name` go into the error if the dtype or device differ.
     pub fn cpu_slice<T: WithDType>(&self, op: &'static str, name: &str) -> Result<&[T]> {
         let s = self.cpu_storage(op, name)?;

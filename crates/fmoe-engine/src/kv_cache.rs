@@ -6,7 +6,8 @@
 use std::collections::HashMap;
 
 use fmoe_core::Tensor;
-use fmoe_models::{Error, KvCache, KvLayout, KvStorage, ModelInfo, Result, SeqId};
+use fmoe_kernels::kv_cache::KvSource;
+use fmoe_models::{Error, KvCache, KvLayout, KvStorage, ModelInfo, Result, SeqId, SlotMapping};
 
 use crate::SlabKvCache;
 
@@ -209,6 +210,17 @@ impl KvCache for ModelKvCache {
     }
     fn slab(&self, layer: usize, stream: usize) -> Result<&Tensor> {
         self.inner().slab(layer, stream)
+    }
+    fn slot_mapping(&self, chunks: &[(SeqId, usize)]) -> Result<SlotMapping> {
+        self.inner().slot_mapping(chunks)
+    }
+    fn append_mapped(
+        &mut self,
+        layer: usize,
+        sources: &[KvSource<'_>],
+        map: &SlotMapping,
+    ) -> Result<()> {
+        self.inner_mut().append_mapped(layer, sources, map)
     }
 }
 

@@ -2,13 +2,18 @@
 //! model's device, allocated once from a token budget. Each sequence owns a contiguous slot range
 //! (first fit over the free ranges), so its rows for positions `0..n` are slab rows
 //! `base..base + n` in every layer and stream: attention reads them in place
-//! (`SeqSpan::kv_start = base`), and an append is one device-to-device copy per (sequence,
-//! layer, stream). No KV traffic between host and device after the allocation.
+//! (`SeqSpan::kv_start = base`). A forward pass gets the batch's slot mapping once
+//! ([`KvCache::slot_mapping`]: the slot of each new token, one upload) and appends each layer
+//! through it: one launch for two streams, whatever the batch ([`KvCache::append_mapped`],
+//! `fmoe_kernels::kv_cache`). [`KvCache::append_rows`] (one device-to-device copy per call)
+//! remains for single sequences. No KV traffic between host and device after the allocation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_models::{Error, KvCache, KvLayout, KvStorage, Result, SeqId};
+use fmoe_kernels::elementwise::RowIndex;
+use fmoe_kernels::kv_cache::{self, KvSource};
+use fmoe_models::{Error, KvCache, KvLayout, KvStorage, Result, SeqId, SlotMapping};
 
 const OP: &str = "SlabKvCache";
 
@@ -255,6 +260,92 @@ impl KvCache for SlabKvCache {
         self.width(layer, stream)?;
         Ok(&self.slabs[layer][stream])
     }
+
+    /// Each chunk's tokens go to the slots after its sequence's rows at layer 0 (every layer
+    /// holds as many at the start of a pass; [`KvCache::append_mapped`] checks it).
+    fn slot_mapping(&self, chunks: &[(SeqId, usize)]) -> Result<SlotMapping> {
+        let mut seen = HashSet::new();
+        let mut slots = Vec::with_capacity(chunks.iter().map(|c| c.1).sum());
+        let mut out = Vec::with_capacity(chunks.len());
+        for &(seq, n) in chunks {
+            if !seen.insert(seq) {
+                return Err(Error::input(
+                    OP,
+                    format!("sequence {seq} appears twice in one slot mapping"),
+                ));
+            }
+            let start = self.seq(seq)?.len[0][0];
+            let slot = self.reserve(seq, 0, 0, n)?;
+            slots.extend((slot..slot + n).map(|s| s as u32));
+            out.push((seq, start, n));
+        }
+        if self.slots > u32::MAX as usize + 1 {
+            return Err(Error::input(
+                OP,
+                format!("{} slots exceed the u32 slot ids", self.slots),
+            ));
+        }
+        Ok(SlotMapping {
+            chunks: out,
+            slots: RowIndex::new(&slots, self.device)?,
+        })
+    }
+
+    fn append_mapped(
+        &mut self,
+        layer: usize,
+        sources: &[KvSource<'_>],
+        map: &SlotMapping,
+    ) -> Result<()> {
+        let streams = self.layout.streams.len();
+        self.width(layer, 0)?;
+        if sources.len() != streams {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "{} sources for the {streams} streams of layer {layer}",
+                    sources.len()
+                ),
+            ));
+        }
+        let mut tokens = 0;
+        for &(seq, start, n) in &map.chunks {
+            let s = self.seq(seq)?;
+            for (stream, &len) in s.len[layer].iter().enumerate() {
+                if len != start {
+                    return Err(Error::input(
+                        OP,
+                        format!(
+                            "sequence {seq}: layer {layer} stream {stream} holds {len} rows, the slot mapping was made at {start}"
+                        ),
+                    ));
+                }
+            }
+            self.reserve(seq, layer, 0, n)?;
+            tokens += n;
+        }
+        if tokens != map.slots.len() {
+            return Err(Error::input(
+                OP,
+                format!(
+                    "the slot mapping's chunks hold {tokens} tokens, its slots {}",
+                    map.slots.len()
+                ),
+            ));
+        }
+        for (slabs, srcs) in self.slabs[layer]
+            .chunks_mut(kv_cache::MAX_STREAMS)
+            .zip(sources.chunks(kv_cache::MAX_STREAMS))
+        {
+            kv_cache::append_rows(slabs, srcs, &map.slots)?;
+        }
+        for &(seq, _, n) in &map.chunks {
+            if let Some(s) = self.seqs.get_mut(&seq) {
+                s.len[layer].iter_mut().for_each(|l| *l += n);
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -313,5 +404,78 @@ mod tests {
             SlabKvCache::bytes_for(&layout(), DType::BF16, 10),
             10 * 2 * 5 * 2
         );
+    }
+
+    #[test]
+    fn a_slot_mapping_appends_every_layer_like_per_sequence_copies() {
+        // Two sequences, a: 2 tokens cached, b: none; the batch is a's 1 new token, then b's 3.
+        let src = |rows: usize, w: usize, from: f32| {
+            Tensor::from_vec(
+                (0..rows * w).map(|i| from + i as f32).collect(),
+                [rows, w],
+                &Device::Cpu,
+            )
+            .unwrap()
+        };
+        let mut mapped = SlabKvCache::new(layout(), DType::F32, Device::Cpu, 12).unwrap();
+        let mut copied = SlabKvCache::new(layout(), DType::F32, Device::Cpu, 12).unwrap();
+        let (a, b) = (mapped.allocate(4).unwrap(), mapped.allocate(6).unwrap());
+        assert_eq!(
+            (copied.allocate(4).unwrap(), copied.allocate(6).unwrap()),
+            (a, b)
+        );
+        let past = src(2, 5, -20.0);
+        for c in [&mut mapped, &mut copied] {
+            for layer in 0..2 {
+                c.append_rows(a, layer, 0, &past, 0, 0, 2).unwrap();
+                c.append_rows(a, layer, 1, &past, 0, 2, 2).unwrap();
+            }
+        }
+        let map = mapped.slot_mapping(&[(a, 1), (b, 3)]).unwrap();
+        assert_eq!(map.chunks, vec![(a, 2, 1), (b, 0, 3)]);
+        assert_eq!(
+            map.slots.ids().cpu_slice::<u32>("t", "slots").unwrap(),
+            &[2, 4, 5, 6]
+        );
+        for layer in 0..2 {
+            // Stream 0 from k [4, 2]; stream 1 from columns 2..5 of qkv [4, 5].
+            let (k, qkv) = (src(4, 2, 100.0 * layer as f32), src(4, 5, 7.0));
+            let kv = [KvSource { src: &k, col: 0 }, KvSource { src: &qkv, col: 2 }];
+            mapped.append_mapped(layer, &kv, &map).unwrap();
+            for (seq, first, n) in [(a, 0, 1), (b, 1, 3)] {
+                copied.append_rows(seq, layer, 0, &k, first, 0, n).unwrap();
+                copied
+                    .append_rows(seq, layer, 1, &qkv, first, 2, n)
+                    .unwrap();
+            }
+            for stream in 0..2 {
+                assert_eq!(
+                    mapped.slab(layer, stream).unwrap().to_f32_vec().unwrap(),
+                    copied.slab(layer, stream).unwrap().to_f32_vec().unwrap(),
+                    "layer {layer} stream {stream}"
+                );
+            }
+            assert_eq!(mapped.cached(a, layer).unwrap(), 3);
+            assert_eq!(mapped.cached(b, layer).unwrap(), 3);
+        }
+        // A mapping is for one pass: a layer already appended through it is refused, as are
+        // the wrong number of sources, repeated or unknown sequences and overflowing chunks.
+        let (k, qkv) = (src(4, 2, 0.0), src(4, 5, 0.0));
+        let kv = [KvSource { src: &k, col: 0 }, KvSource { src: &qkv, col: 2 }];
+        let e = mapped.append_mapped(0, &kv, &map).unwrap_err().to_string();
+        assert!(e.contains("holds 3 rows") && e.contains("made at 2"), "{e}");
+        let e = mapped
+            .append_mapped(0, &kv[..1], &map)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1 sources for the 2 streams"), "{e}");
+        let e = mapped
+            .slot_mapping(&[(a, 1), (a, 1)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("twice"), "{e}");
+        assert!(mapped.slot_mapping(&[(9, 1)]).is_err());
+        let e = mapped.slot_mapping(&[(a, 2)]).unwrap_err().to_string();
+        assert!(e.contains("4 slots"), "{e}");
     }
 }

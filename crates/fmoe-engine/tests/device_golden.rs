@@ -23,13 +23,17 @@
 //! - Incremental decode through the slab cache vs one pass over the whole sequence, and two
 //!   sequences batched vs alone: relative 2-norm ≤ `BF16_REL_TOL` (different GEMM shapes round
 //!   differently), argmax equal where the margin exceeds twice the difference.
+//! - A NaN in the hidden state (a checkpoint copy with one NaN embedding row) is the routing's
+//!   NonFinite error on `router_logits`, at prefill and at a decode step, for every method ×
+//!   kernel family; on CUDA (where the pass checks its layers' routing flags once, at its end) the
+//!   very error the CPU twins give at once.
 
 mod common;
 
 use std::path::{Path, PathBuf};
 
 use common::{Expected, Target, load_model_on};
-use fmoe_models::CausalLm;
+use fmoe_models::{CausalLm, LogitsFor, SeqChunk};
 use fmoe_moe::{KernelFamily, QuantScheme};
 
 const MODELS: [&str; 2] = ["tiny-mixtral", "tiny-deepseek-v3"];
@@ -303,4 +307,111 @@ fn a_host_cache_is_refused_by_the_device_path() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("slab KV cache"), "{err}");
+}
+
+/// A copy of fixture `name` (config, tokenizer, checkpoint) whose bf16 embedding row `token` is
+/// NaN, in a temporary directory: the safetensors header says where the row's bytes are.
+fn with_nan_embedding(name: &str, token: u32) -> PathBuf {
+    let src = common::fixture(name);
+    let dir = std::env::temp_dir().join(format!(
+        "fmoe-nan-{name}-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "generation_config.json", "tokenizer.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let mut bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let e = &header["model.embed_tokens.weight"];
+    assert_eq!(e["dtype"], "BF16", "{name}");
+    let h = e["shape"][1].as_u64().unwrap() as usize;
+    let start = 8 + n + e["data_offsets"][0].as_u64().unwrap() as usize;
+    for c in 0..h {
+        let at = start + (token as usize * h + c) * 2;
+        bytes[at..at + 2].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    }
+    std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+    dir
+}
+
+/// On `target`: the errors of (a) prefilling `bad` and (b) decoding `nan_token` after prefilling
+/// `clean`; meanwhile the model and cache keep working for a sequence that never meets the NaN
+/// row (its logits finite).
+fn nan_errors(
+    target: Target,
+    dir: &Path,
+    scheme: QuantScheme,
+    family: KernelFamily,
+    bad: &[u32],
+    clean: &[u32],
+    nan_token: u32,
+) -> [String; 2] {
+    let model = load_model_on(target, dir, scheme, family);
+    let mut cache = common::cache_for(model.as_ref(), 2 * (bad.len() + clean.len() + 1));
+    let run = |cache: &mut fmoe_engine::ModelKvCache, seq, tokens: &[u32], start_pos| {
+        let chunk = SeqChunk {
+            seq,
+            tokens: tokens.to_vec(),
+            start_pos,
+        };
+        model.forward(&[chunk], cache, LogitsFor::Last)
+    };
+    let a = cache.allocate(bad.len()).unwrap();
+    let prefill = run(&mut cache, a, bad, 0).unwrap_err().to_string();
+    cache.free(a);
+    let b = cache.allocate(clean.len() + 1).unwrap();
+    let logits = run(&mut cache, b, clean, 0).unwrap();
+    common::assert_finite(&logits.to_f32_vec().unwrap());
+    let decode = run(&mut cache, b, &[nan_token], clean.len())
+        .unwrap_err()
+        .to_string();
+    cache.free(b);
+    let c = cache.allocate(clean.len()).unwrap();
+    let logits = run(&mut cache, c, clean, 0).unwrap();
+    common::assert_finite(&logits.to_f32_vec().unwrap());
+    [prefill, decode]
+}
+
+fn nan_hidden_state(cuda: bool) {
+    for name in MODELS {
+        let (_, exp) = fixture(name);
+        let p = &exp.prompt_ids[0];
+        let x = p[1];
+        let bad = p[..3].to_vec();
+        let clean: Vec<u32> = p.iter().copied().filter(|&t| t != x).collect();
+        let dir = with_nan_embedding(name, x);
+        for scheme in QuantScheme::ALL {
+            for family in KernelFamily::ALL {
+                let what = format!("{name} {scheme}/{family}");
+                let twins = nan_errors(Target::DeviceOnCpu, &dir, scheme, family, &bad, &clean, x);
+                for e in &twins {
+                    assert!(
+                        e.contains("router_logits") && e.contains("(NaN)"),
+                        "{what}: {e}"
+                    );
+                }
+                if cuda {
+                    let got = nan_errors(Target::Cuda, &dir, scheme, family, &bad, &clean, x);
+                    assert_eq!(got, twins, "{what}: CUDA vs the CPU twins");
+                }
+                println!("{what}: {}", twins[0]);
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
+
+#[test]
+fn cpu_twins_report_a_nan_hidden_state() {
+    nan_hidden_state(false);
+}
+
+#[test]
+fn cuda_reports_a_nan_hidden_state_like_the_cpu_twins() {
+    if common::cuda_or_skip() {
+        nan_hidden_state(true);
+    }
 }

@@ -4,7 +4,9 @@
 //! all of them for sm_90a with [`crate::nvrtc::compile_only`], on a machine without a GPU (CI).
 
 use crate::nvrtc::KernelSpec;
-use crate::{attention, elementwise, moe_align, moe_gemm, norm, quant_fp8, rotary, routing};
+use crate::{
+    attention, elementwise, kv_cache, moe_align, moe_gemm, norm, quant_fp8, rotary, routing,
+};
 
 /// One loadable kernel: an entry point of a source compiled with some defines. Variants of one
 /// program (same family, source and defines) differ only in `entry`.
@@ -52,5 +54,6 @@ pub fn all() -> Vec<KernelVariant> {
     v.extend(rotary::cuda::variants());
     v.extend(moe_gemm::cuda_variants());
     v.extend(attention::cuda_variants());
+    v.extend(kv_cache::cuda_variants());
     v
 }

@@ -23,6 +23,8 @@
 //! - [`norm`]: RMSNorm and the fused residual add + RMSNorm.
 //! - [`rotary`]: rotary embeddings, half-split (Mixtral) or interleaved (DeepSeek-V3), on a slice
 //!   of each head.
+//! - [`kv_cache`]: a batch's new K/V rows scattered into preallocated KV-cache slabs by a slot
+//!   mapping, every stream of a layer in one launch.
 //!
 //! [`nvrtc`] is the one place that compiles CUDA (sources in `crates/fmoe-kernels/cuda/`, shared
 //! device code in `cuda/common/*.cuh`, compiled at run time for the device, cached in memory and on
@@ -35,6 +37,7 @@ pub mod catalog;
 pub mod cublas;
 pub mod elementwise;
 mod error;
+pub mod kv_cache;
 mod launch;
 pub mod linear;
 pub mod moe_align;

@@ -1,6 +1,8 @@
 //! `attention::causal_attention` on CUDA (and its CPU twin) against an f64 reference written
 //! here, on fresh random data: head widths, GQA groups, sliding windows, varlen batches mixing
-//! prefill from empty, chunked prefill, decode at long contexts, split and unsplit KV.
+//! prefill from empty, chunked prefill, decode at long contexts, split and unsplit KV. Every case
+//! also runs through a plan made once (`plan_attention`) and used twice, as a forward pass's
+//! layers do, which must give the one-call result bit for bit.
 //!
 //! Allocations are poisoned (0xFF = NaN), and the rows of k/v between sequences and the q rows
 //! outside every span hold NaN: a kernel that writes too little or reads outside its span shows
@@ -11,7 +13,9 @@
 use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Error as CoreError, Tensor};
 use fmoe_kernels::Error;
-use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
+use fmoe_kernels::attention::{
+    AttentionParams, SeqSpan, causal_attention, causal_attention_planned, plan_attention,
+};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -236,6 +240,24 @@ fn check(c: &Case, dtype: DType, seed: u64, gpu: bool) -> Result<(), String> {
     assert_eq!(out.dims(), &[d.t, c.heads * c.dv]);
     assert_eq!((out.dtype(), out.device()), (dtype, CUDA));
     let got = out.to_f32_vec().unwrap();
+    let plan = plan_attention(d.t, d.r, &d.spans, &d.p, CUDA)
+        .map_err(|e| format!("{} {dtype}: plan: {e}", c.name))?;
+    for layer in 0..2 {
+        let planned = causal_attention_planned(&gq, &gk, &gv, &plan)
+            .map_err(|e| format!("{} {dtype}: planned: {e}", c.name))?;
+        let same = planned
+            .to_f32_vec()
+            .unwrap()
+            .iter()
+            .zip(&got)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        if !same {
+            return Err(format!(
+                "{} {dtype}: the planned call (use {layer}) differs from the one-call result",
+                c.name
+            ));
+        }
+    }
     let spans = || per_span(&d, &got, &want);
     let e = rel_err(&d, &got, &want)
         .map_err(|e| format!("{} {dtype}: cuda: {e}; per span {}", c.name, spans()))?;

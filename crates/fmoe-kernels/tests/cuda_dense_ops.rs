@@ -1,6 +1,6 @@
 //! The dense-path ops on CUDA (`linear`, `norm`, `rotary`, `elementwise::{silu_mul, gather_rows,
-//! narrow_cols, narrow_rows, concat_heads, rand_uniform}`) against independent f64 references
-//! written here, on fresh seeded random data at odd sizes and at Mixtral / DeepSeek-V3 widths.
+//! gather_rows_at, narrow_cols, narrow_rows, concat_heads, rand_uniform}`,
+//! `kv_cache::append_rows`) against independent f64 references written here, on fresh seeded random data at odd sizes and at Mixtral / DeepSeek-V3 widths.
 //!
 //! Allocations are poisoned (0xFF bytes: NaN in every float dtype), so an element a kernel never
 //! writes fails its comparison (every check is `diff <= tol`, false for NaN). Tolerances, per
@@ -21,8 +21,10 @@ use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
 use fmoe_core::cuda::{CudaBackend, set_poison_allocations, test_backend_or_skip};
 use fmoe_core::{DType, Device, Storage, Tensor};
 use fmoe_kernels::elementwise::{
-    concat_heads, gather_rows, narrow_cols, narrow_rows, rand_uniform, silu_mul, sum,
+    RowIndex, concat_heads, gather_rows, gather_rows_at, narrow_cols, narrow_rows, rand_uniform,
+    silu_mul, sum,
 };
+use fmoe_kernels::kv_cache::{KvSource, append_rows};
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::norm::{add_rms_norm, rms_norm};
 use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
@@ -510,6 +512,12 @@ fn copies_are_exact() {
                     .flat_map(|&r| tv[r as usize * h..][..h].to_vec())
                     .collect();
                 assert_eq!(bits(&g), want, "gather_rows {dtype} v={v} h={h} m={m}");
+                // The same ids uploaded once, read twice.
+                let index = RowIndex::new(&ids, CUDA).unwrap();
+                for _ in 0..2 {
+                    let g = gather_rows_at(&tg, &index).unwrap();
+                    assert_eq!(bits(&g), want, "gather_rows_at {dtype} v={v} h={h} m={m}");
+                }
             }
             // Column and row windows, odd starts.
             for (start, len) in [
@@ -541,7 +549,107 @@ fn copies_are_exact() {
         let t = Tensor::zeros([4, 3], dtype, &CUDA).unwrap();
         let msg = gather_rows(&t, &[1, 4]).unwrap_err().to_string();
         assert!(msg.contains("id 4 at position 1"), "{msg}");
+        let index = RowIndex::new(&[1, 4], CUDA).unwrap();
+        let msg = gather_rows_at(&t, &index).unwrap_err().to_string();
+        assert!(msg.contains("row id 4"), "{msg}");
     }
+}
+
+/// Random bits of `dtype` `[rows, cols]` on the host (u32: any word; floats: normal values).
+fn random_rows(rng: &mut ChaCha8Rng, rows: usize, cols: usize, dtype: DType) -> Tensor {
+    match dtype {
+        DType::U32 => {
+            let d: Vec<u32> = (0..rows * cols).map(|_| rng.random()).collect();
+            Tensor::from_vec(d, [rows, cols], &CPU).unwrap()
+        }
+        _ => normal(&[rows, cols], dtype, 3.0, rng.random()).0,
+    }
+}
+
+/// `kv_cache::append_rows` on CUDA and on the CPU twin: every slab equals its old contents with
+/// row `slots[t]` replaced by source row `t`'s columns, bit for bit, at Mixtral (K from its own
+/// tensor, V from the q/k/v rows at column 5120), DeepSeek-V3 (latent, and the rope key at column
+/// 512 of [latent | k_pe]) and odd geometries (narrow words), one and two streams. The slabs start
+/// random, so a row written where it should not be, or not at all, shows.
+#[test]
+fn kv_append_is_exact() {
+    let Some(_b) = backend_or_skip() else { return };
+    let mut rng = ChaCha8Rng::seed_from_u64(0x6b76);
+    // Per stream (source width, column, slab width).
+    let layouts: [&[(usize, usize, usize)]; 4] = [
+        &[(1024, 0, 1024), (6144, 5120, 1024)],
+        &[(512, 0, 512), (576, 512, 64)],
+        &[(7, 1, 3), (5, 0, 5)],
+        &[(9, 4, 5)],
+    ];
+    for dtype in [
+        DType::BF16,
+        DType::F16,
+        DType::F32,
+        DType::F8E4M3,
+        DType::U32,
+    ] {
+        for layout in layouts {
+            for (tokens, slots_n) in [(1usize, 3usize), (8, 40), (300, 301)] {
+                // Distinct slots, in a random order.
+                let mut all: Vec<u32> = (0..slots_n as u32).collect();
+                for i in (1..all.len()).rev() {
+                    all.swap(i, rng.random_range(0..=i));
+                }
+                let ids = &all[..tokens];
+                let srcs: Vec<Tensor> = layout
+                    .iter()
+                    .map(|&(w, _, _)| random_rows(&mut rng, tokens, w, dtype))
+                    .collect();
+                let olds: Vec<Tensor> = layout
+                    .iter()
+                    .map(|&(_, _, w)| random_rows(&mut rng, slots_n, w, dtype))
+                    .collect();
+                let what = format!("{dtype} {layout:?} T={tokens} S={slots_n}");
+                for device in [CUDA, CPU] {
+                    let mut slabs: Vec<Tensor> =
+                        olds.iter().map(|t| t.to_device(device).unwrap()).collect();
+                    if device == CPU {
+                        // A fresh buffer: not shared with `olds`.
+                        slabs = slabs
+                            .iter()
+                            .map(|t| Tensor::from_storage(t.storage().clone(), t.dims()).unwrap())
+                            .collect();
+                    }
+                    let on: Vec<Tensor> =
+                        srcs.iter().map(|t| t.to_device(device).unwrap()).collect();
+                    let sources: Vec<KvSource<'_>> = on
+                        .iter()
+                        .zip(layout.iter())
+                        .map(|(t, &(_, col, _))| KvSource { src: t, col })
+                        .collect();
+                    let index = RowIndex::new(ids, device).unwrap();
+                    append_rows(&mut slabs, &sources, &index).unwrap();
+                    for (i, (slab, &(sw, col, w))) in slabs.iter().zip(layout.iter()).enumerate() {
+                        assert_eq!(slab.device(), device);
+                        let (sb, mut want) = (bits(&srcs[i]), bits(&olds[i]));
+                        for (t, &slot) in ids.iter().enumerate() {
+                            want[slot as usize * w..][..w]
+                                .copy_from_slice(&sb[t * sw + col..][..w]);
+                        }
+                        assert_eq!(bits(slab), want, "{what} stream {i} on {device}");
+                    }
+                }
+            }
+        }
+    }
+    // Out-of-range slots and shared slabs are refused before any launch.
+    let mut slab = [Tensor::zeros([4, 8], DType::BF16, &CUDA).unwrap()];
+    let src = Tensor::zeros([2, 8], DType::BF16, &CUDA).unwrap();
+    let s = [KvSource { src: &src, col: 0 }];
+    let e = append_rows(&mut slab, &s, &RowIndex::new(&[1, 4], CUDA).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("row id 4"), "{e}");
+    let alias = slab[0].clone();
+    let e = append_rows(&mut slab, &s, &RowIndex::new(&[1, 2], CUDA).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("shared"), "{e}");
+    drop(alias);
+    let e = append_rows(&mut slab, &s, &RowIndex::new(&[1, 2], CPU).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("ids"), "{e}");
 }
 
 #[test]

@@ -182,6 +182,7 @@ fn catalog_covers_every_source_and_gemm_config() {
         "copy",
         "elementwise",
         "grouped_topk",
+        "kv_append",
         "moe_align",
         "moe_gemm_bf16",
         "moe_gemm_bf16_sm90",

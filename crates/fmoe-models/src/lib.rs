@@ -52,7 +52,9 @@ pub use error::{Error, Result};
 pub use layers::moe::MoeOptions;
 pub use loader::{Checkpoint, DummyWeights, Vb, WeightSource};
 pub use mixtral::MixtralForCausalLM;
-pub use model::{CausalLm, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk, SeqId};
+pub use model::{
+    CausalLm, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk, SeqId, SlotMapping,
+};
 pub use tokenizer::Tokenizer;
 
 /// Where weights come from.

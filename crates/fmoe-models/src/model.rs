@@ -9,12 +9,16 @@
 //! A cache keeps its rows one of two ways ([`KvStorage`]), and a model says which it needs
 //! ([`ModelInfo::kv_storage`]): f32 rows on the host, read back as slices (the CPU path), or one
 //! preallocated `[slots, width]` slab per layer and stream on the model's device, in the model's
-//! dtype, each sequence owning a contiguous slot range (the device path: appends are
-//! device-to-device copies, attention reads the slabs in place).
+//! dtype, each sequence owning a contiguous slot range (the device path: attention reads the slabs
+//! in place). A device forward pass asks the slab cache once for the batch's [`SlotMapping`] (one
+//! upload) and appends each layer's rows through it, every stream in one launch
+//! ([`KvCache::append_mapped`]).
 
 use std::collections::HashSet;
 
 use fmoe_core::{DType, Device, Tensor};
+use fmoe_kernels::elementwise::RowIndex;
+use fmoe_kernels::kv_cache::KvSource;
 
 use crate::{Error, Result};
 
@@ -35,7 +39,8 @@ pub enum KvStorage {
     /// f32 rows on the host, grown per sequence ([`KvCache::append`], [`KvCache::stream`]).
     HostF32,
     /// Preallocated `[slots, width]` slabs in `dtype` on `device` ([`KvCache::append_rows`],
-    /// [`KvCache::slab`], [`KvCache::base_slot`]).
+    /// [`KvCache::slot_mapping`], [`KvCache::append_mapped`], [`KvCache::slab`],
+    /// [`KvCache::base_slot`]).
     Slab { device: Device, dtype: DType },
 }
 
@@ -82,6 +87,35 @@ pub trait KvCache: Sync {
         let _ = (layer, stream);
         Err(not_a_slab_cache("slab"))
     }
+    /// Where a batch's new tokens go: `chunks` are (sequence, new tokens) in batch order, the
+    /// batch's rows being those tokens in that order. Made once per forward pass (one upload on a
+    /// device), read by every layer's [`KvCache::append_mapped`].
+    fn slot_mapping(&self, chunks: &[(SeqId, usize)]) -> Result<SlotMapping> {
+        let _ = chunks;
+        Err(not_a_slab_cache("slot_mapping"))
+    }
+    /// Appends the batch's rows to every stream of `layer` through `map`: stream `i` takes columns
+    /// `sources[i].col..+width` of each row of `sources[i].src` (on the cache's device, in its
+    /// dtype; one source per stream). On a device one launch per two streams.
+    fn append_mapped(
+        &mut self,
+        layer: usize,
+        sources: &[KvSource<'_>],
+        map: &SlotMapping,
+    ) -> Result<()> {
+        let _ = (layer, sources, map);
+        Err(not_a_slab_cache("append_mapped"))
+    }
+}
+
+/// A batch's slot mapping (see [`KvCache::slot_mapping`]): token `t` of the batch goes to slot
+/// `slots[t]` of every slab.
+#[derive(Clone, Debug)]
+pub struct SlotMapping {
+    /// (sequence, tokens cached before the batch, new tokens), in batch order.
+    pub chunks: Vec<(SeqId, usize, usize)>,
+    /// The slot of each token of the batch, u32 on the cache's device.
+    pub slots: RowIndex,
 }
 
 fn not_a_slab_cache(op: &'static str) -> Error {

@@ -10,7 +10,7 @@
 use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
-use fmoe_core::{CpuStorage, DType, Error as CoreError};
+use fmoe_core::{CpuStorage, DType, Device, Error as CoreError};
 
 use super::{AttentionParams, SeqSpan};
 use crate::catalog::KernelVariant;
@@ -265,13 +265,37 @@ pub(crate) fn plan(
     })
 }
 
-fn unsupported(op: &'static str, s: &CudaStorage, reason: String) -> Error {
-    CoreError::Unsupported {
-        op,
-        device: s.device(),
-        reason,
-    }
-    .into()
+fn unsupported(op: &'static str, device: Device, reason: String) -> Error {
+    CoreError::Unsupported { op, device, reason }.into()
+}
+
+/// The kernels' dtype code of `dtype` (bf16 or f16), or the Unsupported error.
+pub(super) fn dtype_supported(op: &'static str, device: Device, dtype: DType) -> Result<u32> {
+    dtype_code(dtype).ok_or_else(|| {
+        unsupported(
+            op,
+            device,
+            format!("the CUDA kernels take bf16 or f16, not {dtype} (f32 runs on the CPU twin)"),
+        )
+    })
+}
+
+/// A call's launch plan, independent of the data: padded widths, the prefill kernel's row tiles
+/// per warp, both kernels' tile plans and their metadata, uploaded (nothing when no span has a
+/// query).
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    dq: usize,
+    dv: usize,
+    mi: usize,
+    plans: [TilePlan; 2],
+    /// [prefill desc | decode desc | prefill split list | decode split list]; `None` when the
+    /// spans cover no query row.
+    meta: Option<CudaStorage>,
+    desc_at: [usize; 2],
+    list_at: [usize; 2],
+    /// q rows the spans cover.
+    covered: usize,
 }
 
 /// `[rows, heads·v_dim]` in q's dtype. Shapes, dtypes, devices and spans were validated by the
@@ -301,19 +325,28 @@ fn run(
     p: &AttentionParams,
     mi_override: Option<usize>,
 ) -> Result<CudaStorage> {
-    let dtype = q.dtype();
-    let Some(code) = dtype_code(dtype) else {
-        return Err(unsupported(
-            op,
-            q,
-            format!("the CUDA kernels take bf16 or f16, not {dtype} (f32 runs on the CPU twin)"),
-        ));
-    };
+    dtype_supported(op, q.device(), q.dtype())?;
+    let kv_rows = k.len() / (p.num_kv_heads * p.qk_dim);
+    let prep = prepare(op, q.device(), rows, kv_rows, spans, p, mi_override)?;
+    launch(op, q, k, v, rows, p, &prep)
+}
+
+/// Plans a call over `rows` q rows and `kv_rows` k/v rows (validated spans) on `device` and
+/// uploads its metadata (one host-to-device copy, no synchronization).
+pub(super) fn prepare(
+    op: &'static str,
+    device: Device,
+    rows: usize,
+    kv_rows: usize,
+    spans: &[SeqSpan],
+    p: &AttentionParams,
+    mi_override: Option<usize>,
+) -> Result<Prepared> {
     let (qk_dim, v_dim) = (p.qk_dim, p.v_dim);
     let Some((dq, dv)) = padded(qk_dim, v_dim).filter(|_| qk_dim % 8 == 0 && v_dim % 8 == 0) else {
         return Err(unsupported(
             op,
-            q,
+            device,
             format!(
                 "qk_dim {qk_dim} and v_dim {v_dim} must be multiples of 8 and at most 256 \
                  (16-byte loads, compiled widths)"
@@ -321,7 +354,6 @@ fn run(
         ));
     };
     let group = p.num_heads / p.num_kv_heads;
-    let kv_rows = k.len() / (p.num_kv_heads * qk_dim);
     let too_big = [
         ("q rows", rows),
         ("k/v rows", kv_rows),
@@ -336,28 +368,21 @@ fn run(
     if let Some((what, n)) = too_big {
         return Err(unsupported(
             op,
-            q,
+            device,
             format!("{what} = {n} exceeds the kernels' 31-bit indices"),
         ));
     }
-
-    let backend = q.backend();
-    let covered: usize = spans.iter().map(|s| s.q_len).sum();
-    // Rows outside every span must read 0; when spans cover q (disjoint, validated) the kernels
-    // write every element.
-    let mut out = if covered == rows {
-        CudaStorage::alloc(backend, dtype, rows * p.num_heads * v_dim)?
-    } else {
-        CudaStorage::zeros(backend, dtype, rows * p.num_heads * v_dim)?
+    let Device::Cuda(ordinal) = device else {
+        return Err(crate::Error::invalid(
+            op,
+            "the CUDA plan needs a CUDA device",
+        ));
     };
-    if covered == 0 {
-        return Ok(out);
-    }
-
+    let backend = fmoe_core::cuda::cuda_backend(ordinal)?;
+    let covered: usize = spans.iter().map(|s| s.q_len).sum();
     let sms = backend.multiprocessor_count() as usize;
     let mi = mi_override.unwrap_or_else(|| prefill_mi(dq, dv));
     let plans = plan(spans, group, p.num_kv_heads, p.sliding_window, sms, mi);
-    // One upload: [prefill desc | decode desc | prefill split list | decode split list].
     let mut meta: Vec<u32> = Vec::new();
     let mut desc_at = [0usize; 2];
     let mut list_at = [0usize; 2];
@@ -369,8 +394,58 @@ fn run(
         list_at[i] = meta.len();
         meta.extend_from_slice(&pl.split_tiles);
     }
-    let meta = CudaStorage::from_cpu(backend, &CpuStorage::U32(meta))?;
+    let meta = if covered == 0 {
+        None
+    } else {
+        Some(CudaStorage::from_cpu(&backend, &CpuStorage::U32(meta))?)
+    };
+    Ok(Prepared {
+        dq,
+        dv,
+        mi,
+        plans,
+        meta,
+        desc_at,
+        list_at,
+        covered,
+    })
+}
 
+/// Runs a prepared call: `[rows, heads·v_dim]` in q's dtype (bf16/f16; shapes and devices
+/// validated against the plan by the caller).
+pub(super) fn launch(
+    op: &'static str,
+    q: &CudaStorage,
+    k: &CudaStorage,
+    v: &CudaStorage,
+    rows: usize,
+    p: &AttentionParams,
+    prep: &Prepared,
+) -> Result<CudaStorage> {
+    let dtype = q.dtype();
+    let code = dtype_supported(op, q.device(), dtype)?;
+    let (qk_dim, v_dim) = (p.qk_dim, p.v_dim);
+    let Prepared {
+        dq,
+        dv,
+        mi,
+        ref plans,
+        ref meta,
+        desc_at,
+        list_at,
+        covered,
+    } = *prep;
+    let backend = q.backend();
+    // Rows outside every span must read 0; when spans cover q (disjoint, validated) the kernels
+    // write every element.
+    let mut out = if covered == rows {
+        CudaStorage::alloc(backend, dtype, rows * p.num_heads * v_dim)?
+    } else {
+        CudaStorage::zeros(backend, dtype, rows * p.num_heads * v_dim)?
+    };
+    let Some(meta) = meta else {
+        return Ok(out);
+    };
     // Window: distances fit 31 bits, so a wider window hides nothing (0 = none in the kernel).
     let window = p
         .sliding_window
@@ -417,7 +492,7 @@ fn run(
             .ok_or_else(|| {
                 unsupported(
                     op,
-                    q,
+                    q.device(),
                     format!("{} tiles exceed the grid", pl.tiles() * p.num_kv_heads),
                 )
             })?;

@@ -31,6 +31,13 @@
 //! that `fmoe_attention_combine` merges. So decode batches and short chunks at long contexts fill
 //! the GPU, and a long prefill (enough tiles) never splits. Tiles run heaviest first. One
 //! metadata upload per call, no host synchronization.
+//!
+//! # One plan, many layers
+//!
+//! Every layer of a forward pass attends over the same spans with the same parameters:
+//! [`plan_attention`] validates them and (on CUDA) plans the tiles and uploads their metadata once,
+//! and [`causal_attention_planned`] runs a layer on that plan (only the kernels, no host work
+//! beyond argument checks). [`causal_attention`] is the two in one call.
 
 mod cpu;
 mod cuda;
@@ -66,6 +73,88 @@ pub struct AttentionParams {
     pub scale: f32,
     /// Key `j` is visible to the query at position `p` iff `j <= p && p - j < window`.
     pub sliding_window: Option<usize>,
+}
+
+/// A batch's attention geometry, validated and planned once for every layer of a forward pass
+/// (see the module docs): built by [`plan_attention`], used by [`causal_attention_planned`].
+#[derive(Debug)]
+pub struct AttentionPlan {
+    spans: Vec<SeqSpan>,
+    params: AttentionParams,
+    q_rows: usize,
+    kv_rows: usize,
+    device: Device,
+    /// The tile plan and its uploaded metadata (CUDA).
+    cuda: Option<cuda::Prepared>,
+}
+
+impl AttentionPlan {
+    pub fn params(&self) -> &AttentionParams {
+        &self.params
+    }
+    pub fn spans(&self) -> &[SeqSpan] {
+        &self.spans
+    }
+}
+
+/// Validates `spans` and `p` for q of `q_rows` rows and k/v of `kv_rows` rows on `device` and
+/// plans the call; on CUDA the tile metadata is uploaded here (one host-to-device copy, no
+/// synchronization), so that every [`causal_attention_planned`] on the plan is only its kernels.
+pub fn plan_attention(
+    q_rows: usize,
+    kv_rows: usize,
+    spans: &[SeqSpan],
+    p: &AttentionParams,
+    device: Device,
+) -> Result<AttentionPlan> {
+    check_params(p)?;
+    check_spans(spans, q_rows, kv_rows)?;
+    let cuda = match device {
+        Device::Cpu => None,
+        Device::Cuda(_) => Some(cuda::prepare(OP, device, q_rows, kv_rows, spans, p, None)?),
+    };
+    Ok(AttentionPlan {
+        spans: spans.to_vec(),
+        params: *p,
+        q_rows,
+        kv_rows,
+        device,
+        cuda,
+    })
+}
+
+/// [`causal_attention`] on a plan: q `[plan's q rows, num_heads·qk_dim]`, k and v of the plan's
+/// k/v rows, on the plan's device (each checked, naming the tensor).
+pub fn causal_attention_planned(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    plan: &AttentionPlan,
+) -> Result<Tensor> {
+    let p = &plan.params;
+    let (dtype, rows, kv_rows) = check_tensors(q, k, v, p)?;
+    q.expect_device(OP, "q", plan.device)?;
+    if (rows, kv_rows) != (plan.q_rows, plan.kv_rows) {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "q has {rows} rows and k/v {kv_rows}; the plan was made for {} and {}",
+                plan.q_rows, plan.kv_rows
+            ),
+        ));
+    }
+    let out_dims = [rows, p.num_heads * p.v_dim];
+    match (q.storage(), k.storage(), v.storage(), &plan.cuda) {
+        (Storage::Cuda(qs), Storage::Cuda(ks), Storage::Cuda(vs), Some(prep)) => {
+            let out = cuda::launch(OP, qs, ks, vs, rows, p, prep)?;
+            Ok(Tensor::from_storage(Storage::Cuda(out), out_dims)?)
+        }
+        _ => {
+            let (qf, kf, vf) = (f32_view(q)?, f32_view(k)?, f32_view(v)?);
+            let out = cpu::causal_attention(&qf, &kf, &vf, rows, &plan.spans, p);
+            Ok(Tensor::from_f32(&out, out_dims, dtype, &Device::Cpu)?)
+        }
+    }
 }
 
 /// `softmax(q·kᵀ·scale + causal/window mask)·v` per (sequence, head); see the module docs.
@@ -114,6 +203,18 @@ fn check(
     p: &AttentionParams,
 ) -> Result<DType> {
     check_params(p)?;
+    let (dtype, t, r) = check_tensors(q, k, v, p)?;
+    check_spans(spans, t, r)?;
+    Ok(dtype)
+}
+
+/// dtypes, devices and shapes of q, k, v under `p`; returns (dtype, q rows, k/v rows).
+fn check_tensors(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    p: &AttentionParams,
+) -> Result<(DType, usize, usize)> {
     let dtype = q.expect_dtype(OP, "q", &[DType::F32, DType::BF16, DType::F16])?;
     k.expect_dtype(OP, "k", &[dtype])?;
     v.expect_dtype(OP, "v", &[dtype])?;
@@ -126,8 +227,7 @@ fn check(
     q.expect_dims(OP, "q", &[t, p.num_heads * p.qk_dim])?;
     k.expect_dims(OP, "k", &[r, p.num_kv_heads * p.qk_dim])?;
     v.expect_dims(OP, "v", &[r, p.num_kv_heads * p.v_dim])?;
-    check_spans(spans, t, r)?;
-    Ok(dtype)
+    Ok((dtype, t, r))
 }
 
 fn check_params(p: &AttentionParams) -> Result<()> {
@@ -373,6 +473,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_plan_serves_every_layer_and_checks_what_it_is_given() {
+        let p = AttentionParams {
+            sliding_window: Some(6),
+            ..params(4, 2, 16, 16)
+        };
+        let spans = [span(0, 5, 0, 0), span(5, 1, 8, 9), span(6, 2, 20, 3)];
+        let (t, r) = (9, 26);
+        let plan = plan_attention(t, r, &spans, &p, Device::Cpu).unwrap();
+        assert_eq!((plan.spans(), plan.params()), (&spans[..], &p));
+        // Two "layers" on one plan: each as causal_attention computes it, bit for bit.
+        for seed in [1, 4] {
+            let q = tensor(t, 4 * 16, seed, DType::BF16);
+            let k = tensor(r, 2 * 16, seed + 1, DType::BF16);
+            let v = tensor(r, 2 * 16, seed + 2, DType::BF16);
+            let got = causal_attention_planned(&q, &k, &v, &plan).unwrap();
+            let want = causal_attention(&q, &k, &v, &spans, &p).unwrap();
+            assert_eq!(got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+        }
+        // Tensors that do not fit the plan, and plans that do not fit their spans.
+        let q = tensor(t + 1, 64, 1, DType::BF16);
+        let k = tensor(r, 32, 2, DType::BF16);
+        let e = causal_attention_planned(&q, &k, &k, &plan)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("10 rows") && e.contains("made for 9"), "{e}");
+        let e = plan_attention(t, 20, &spans, &p, Device::Cpu)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("spans[2]") && e.contains("`k/v`"), "{e}");
+        let bad = AttentionParams { qk_dim: 0, ..p };
+        assert!(plan_attention(t, r, &spans, &bad, Device::Cpu).is_err());
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub(super) enum Rows<'a> {
     Range(usize),
     /// Row ids[r] (checked in range by the caller).
     Ids(&'a [u32]),
+    /// Row ids[r] of u32 ids already on the device (checked in range by the caller); CUDA only.
+    Uploaded(&'a CudaStorage),
 }
 
 /// `dst[r, dst_offset + h·dst_block_stride + c] = src[row(r), src_offset + h·block_stride + c]` for
@@ -48,6 +50,7 @@ impl Part<'_> {
         match self.rows {
             Rows::Range(first) => first + r,
             Rows::Ids(ids) => ids[r] as usize,
+            Rows::Uploaded(_) => unreachable!("device ids only reach the CUDA path"),
         }
     }
 }
@@ -175,16 +178,20 @@ fn cuda_part(
         .unwrap_or(1);
     let in_words = |v: usize| (v * es / word) as u64;
     let backend = src.backend();
-    let ids = match p.rows {
+    let uploaded = match p.rows {
         Rows::Ids(ids) => Some(CudaStorage::from_cpu(
             backend,
             &CpuStorage::U32(ids.to_vec()),
         )?),
-        Rows::Range(_) => None,
+        Rows::Range(_) | Rows::Uploaded(_) => None,
+    };
+    let ids = match p.rows {
+        Rows::Uploaded(ids) => Some(ids),
+        _ => uploaded.as_ref(),
     };
     let first_row = match p.rows {
         Rows::Range(first) => first as u64,
-        Rows::Ids(_) => 0,
+        Rows::Ids(_) | Rows::Uploaded(_) => 0,
     };
     let f = nvrtc::load(
         backend,
@@ -209,7 +216,7 @@ fn cuda_part(
     let dst = out.buffer_mut()?;
     let mut l = stream.launch_builder(&f);
     l.arg(src.buffer()).arg(dst);
-    match &ids {
+    match ids {
         Some(ids) => l.arg(ids.buffer()),
         None => l.arg(src.buffer()),
     };

@@ -14,7 +14,9 @@
 //!   dummy weights, written on the GPU without a host copy).
 //! - [`silu_mul`]: `silu(gate) · up` over `[M, 2I]` rows (the dense MLP's activation).
 //! - copies that reshape the model's activations: [`gather_rows`] (embedding lookup),
-//!   [`narrow_cols`], [`narrow_rows`], [`concat_heads`] (per-head `[a_h | b_h]`, MLA's keys).
+//!   [`gather_rows_at`] (the same with ids uploaded once as a [`RowIndex`], for calls repeated
+//!   every layer), [`narrow_cols`], [`narrow_rows`], [`concat_heads`] (per-head `[a_h | b_h]`,
+//!   MLA's keys).
 //!   They move elements unchanged, so they take every dtype (fp8 and u32 included).
 //!
 //! CUDA kernels: `cuda/elementwise.cu` and, for the copies, `cuda/copy.cu` (a strided row copy in
@@ -222,6 +224,93 @@ pub fn gather_rows(table: &Tensor, ids: &[u32]) -> Result<Tensor> {
     copy::run(OP, &[table], &parts, n, h)
 }
 
+/// Row indices uploaded once and read by many calls (every layer of a forward pass:
+/// [`gather_rows_at`], [`crate::kv_cache::append_rows`]): u32 `[n]` on a device, with the bound
+/// the host knew them by, so those calls validate without reading them back.
+#[derive(Clone, Debug)]
+pub struct RowIndex {
+    ids: Tensor,
+    /// One past the largest id (0 when there is none).
+    end: usize,
+}
+
+impl RowIndex {
+    /// `ids` on `device` (one host-to-device copy on CUDA).
+    pub fn new(ids: &[u32], device: Device) -> Result<RowIndex> {
+        let end = ids.iter().max().map_or(0, |&m| m as usize + 1);
+        Ok(RowIndex {
+            ids: Tensor::from_vec(ids.to_vec(), [ids.len()], &device)?,
+            end,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.elem_count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn device(&self) -> Device {
+        self.ids.device()
+    }
+
+    /// The ids, u32 `[n]`.
+    pub fn ids(&self) -> &Tensor {
+        &self.ids
+    }
+
+    /// Errors unless every id indexes one of `rows` rows of `what` on `device`.
+    pub(crate) fn check_for(
+        &self,
+        op: &'static str,
+        what: &str,
+        rows: usize,
+        device: Device,
+    ) -> Result<()> {
+        self.ids.expect_device(op, "ids", device)?;
+        if self.end > rows {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "row id {} is out of range for `{what}` of {rows} rows",
+                    self.end - 1
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The copy kernel's view of the ids: host ids on the CPU, the device buffer on CUDA.
+    fn rows(&self, op: &'static str) -> Result<copy::Rows<'_>> {
+        Ok(match self.ids.storage() {
+            Storage::Cpu(_) => copy::Rows::Ids(self.ids.cpu_slice::<u32>(op, "ids")?),
+            Storage::Cuda(s) => copy::Rows::Uploaded(s),
+        })
+    }
+}
+
+/// [`gather_rows`] with ids uploaded beforehand: rows `ids` of table [V, H] → [ids.len(), H], on
+/// the table's device (the ids' too); an id ≥ V is an error. No upload, one kernel on CUDA.
+pub fn gather_rows_at(table: &Tensor, ids: &RowIndex) -> Result<Tensor> {
+    const OP: &str = "elementwise::gather_rows_at";
+    let (v, h) = dims2(OP, "table", table, "[V, H]")?;
+    ids.check_for(OP, "table", v, table.device())?;
+    let parts = [copy::Part {
+        src: 0,
+        rows: ids.rows(OP)?,
+        src_stride: h,
+        src_offset: 0,
+        blocks: 1,
+        block_stride: 0,
+        width: h,
+        dst_offset: 0,
+        dst_block_stride: 0,
+    }];
+    copy::run(OP, &[table], &parts, ids.len(), h)
+}
+
 /// Columns start..start+len of 2-D x [M, W] → [M, len].
 pub fn narrow_cols(x: &Tensor, start: usize, len: usize) -> Result<Tensor> {
     const OP: &str = "elementwise::narrow_cols";
@@ -346,6 +435,25 @@ pub fn normal_at(seed: u64, i: u64) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gather_rows_at_is_gather_rows_with_ids_uploaded_once() {
+        let cpu = Device::Cpu;
+        let v: Vec<f32> = (0..5 * 3).map(|i| i as f32).collect();
+        let table = Tensor::from_f32(&v, [5, 3], DType::BF16, &cpu).unwrap();
+        let ids = [4u32, 0, 4, 2];
+        let index = RowIndex::new(&ids, cpu).unwrap();
+        assert_eq!((index.len(), index.device()), (4, cpu));
+        let got = gather_rows_at(&table, &index).unwrap();
+        let want = gather_rows(&table, &ids).unwrap();
+        assert_eq!(got.dims(), &[4, 3]);
+        assert_eq!(got.to_f32_vec().unwrap(), want.to_f32_vec().unwrap());
+        let short = Tensor::zeros([4, 3], DType::BF16, &cpu).unwrap();
+        let e = gather_rows_at(&short, &index).unwrap_err().to_string();
+        assert!(e.contains("row id 4") && e.contains("4 rows"), "{e}");
+        let empty = RowIndex::new(&[], cpu).unwrap();
+        assert_eq!(gather_rows_at(&short, &empty).unwrap().dims(), &[0, 3]);
+    }
 
     #[test]
     fn randn_is_standard_normal_and_reproducible() {

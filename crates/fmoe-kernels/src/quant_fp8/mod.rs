@@ -72,9 +72,11 @@ pub fn scale_from_amax(amax: f32) -> f32 {
     amax.max(AMAX_FLOOR) / FP8_E4M3_MAX
 }
 
-/// NaN/Inf checks of dynamic quantizations whose flags are still on the device (see the module
-/// docs). Empty on the CPU, where non-finite input is reported at once. Holding one keeps the
-/// flags' device words (and, for the plain quantizations, a handle to the input) alive.
+/// NaN/Inf checks whose flags are still on the device: the dynamic quantizations' here (see the
+/// module docs) and the routing kernels' (`fmoe_kernels::routing`'s `_deferred` functions). Empty
+/// on the CPU, where non-finite input is reported at once. Holding one keeps the flags' device
+/// words (and the flagged data, to report the offending value) alive: see
+/// [`FiniteCheck::held_bytes`].
 #[derive(Clone, Debug, Default)]
 pub struct FiniteCheck {
     pending: Vec<PendingFlag>,
@@ -84,12 +86,23 @@ pub struct FiniteCheck {
 struct PendingFlag {
     op: &'static str,
     tensor: String,
-    /// u32 words on the device; `word` is the error flag.
+    /// u32 words on the device; the flag starts at word `word`.
     flags: Tensor,
     word: usize,
-    /// The quantized data, to report the first non-finite index (None where it was never
+    kind: FlagKind,
+    /// The flagged data, to report the first non-finite element (None where it was never
     /// materialized, e.g. GEMM1's h inside the fused block-scaled kernel).
     data: Option<Tensor>,
+}
+
+/// How a kernel marks non-finite data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FlagKind {
+    /// One u32 word, nonzero once set; the data is scanned for the first non-finite element.
+    Set,
+    /// A u64 (words `word`, `word + 1`, low first) lowered by `atomicMin` to the lowest flat
+    /// index of a non-finite element; `u64::MAX` when there is none (the routing kernels).
+    LowestIndex,
 }
 
 impl FiniteCheck {
@@ -113,12 +126,36 @@ impl FiniteCheck {
                 tensor: tensor.into(),
                 flags,
                 word,
+                kind: FlagKind::Set,
                 data,
             }],
         }
     }
 
-    /// Adds `other`'s flags to this check.
+    /// The lowest flat index of a non-finite element of `data` (named `tensor`), which a kernel
+    /// of `op` writes as a u64 into words `word`, `word + 1` of the device u32 tensor `flags`
+    /// (`u64::MAX`: none). Reported as the NonFinite error of that index and its value.
+    pub(crate) fn lowest_index(
+        op: &'static str,
+        tensor: impl Into<String>,
+        flags: Tensor,
+        word: usize,
+        data: Tensor,
+    ) -> FiniteCheck {
+        FiniteCheck {
+            pending: vec![PendingFlag {
+                op,
+                tensor: tensor.into(),
+                flags,
+                word,
+                kind: FlagKind::LowestIndex,
+                data: Some(data),
+            }],
+        }
+    }
+
+    /// Adds `other`'s flags to this check (after its own: [`Self::check`] reports the first
+    /// flag set, in this order).
     pub fn merge(&mut self, other: FiniteCheck) {
         self.pending.extend(other.pending);
     }
@@ -128,44 +165,127 @@ impl FiniteCheck {
         !self.pending.is_empty()
     }
 
-    /// Reads every flag (on CUDA: a synchronization) and reports the first one set as
-    /// [`fmoe_core::Error::NonFinite`] with the first offending flat index of its tensor, or, when
-    /// the data was not kept, an error naming the tensor.
+    /// Device bytes this check keeps alive (the flagged data and the flag words): a caller that
+    /// defers many checks (a forward pass over every layer) reads them early past a bound.
+    pub fn held_bytes(&self) -> usize {
+        self.pending
+            .iter()
+            .map(|p| p.flags.size_in_bytes() + p.data.as_ref().map_or(0, |d| d.size_in_bytes()))
+            .sum()
+    }
+
+    /// Reads every flag and reports the first one set as [`fmoe_core::Error::NonFinite`] with the
+    /// first offending flat index of its tensor, or, when the data was not kept, an error naming
+    /// the tensor. On CUDA the flags are gathered into one buffer (device-to-device copies) and
+    /// downloaded once: one synchronization however many checks were merged.
     pub fn check(&self) -> Result<()> {
-        for p in &self.pending {
-            let flags = p.flags.to_device(fmoe_core::Device::Cpu)?;
-            let set = flags
-                .cpu_slice::<u32>(p.op, "error_flag")?
-                .get(p.word)
-                .is_some_and(|&f| f != 0);
-            if !set {
-                continue;
-            }
-            let Some(data) = &p.data else {
-                return Err(Error::invalid(
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let words = self.read_flags()?;
+        for (p, w) in self.pending.iter().zip(&words) {
+            let missing = || {
+                Error::invalid(
                     p.op,
                     format!(
-                        "`{}` holds NaN or Inf (flagged by the CUDA quantization kernel; the \
-                         position is not reported)",
-                        p.tensor
+                        "the error flag of `{}` is word {} of {} words",
+                        p.tensor,
+                        p.word,
+                        w.len()
                     ),
-                ));
+                )
             };
-            let values = data.to_f32_vec()?;
-            return Err(
-                match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
-                    Some((i, &v)) => non_finite(p.op, &p.tensor, i, v),
-                    None => Error::invalid(
-                        p.op,
-                        format!(
-                            "the CUDA kernel flagged NaN or Inf in `{}`, but it holds none now",
-                            p.tensor
-                        ),
-                    ),
-                },
-            );
+            match p.kind {
+                FlagKind::Set => {
+                    if *w.get(p.word).ok_or_else(missing)? == 0 {
+                        continue;
+                    }
+                    return Err(p.scan());
+                }
+                FlagKind::LowestIndex => {
+                    let (Some(&lo), Some(&hi)) = (w.get(p.word), w.get(p.word + 1)) else {
+                        return Err(missing());
+                    };
+                    let index = u64::from(lo) | (u64::from(hi) << 32);
+                    if index == u64::MAX {
+                        continue;
+                    }
+                    let index = usize::try_from(index).unwrap_or(usize::MAX);
+                    let value = match &p.data {
+                        Some(d) => d.to_f32_vec()?.get(index).copied().unwrap_or(f32::NAN),
+                        None => f32::NAN,
+                    };
+                    return Err(non_finite(p.op, &p.tensor, index, value));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Every pending flag's words, in order.
+    fn read_flags(&self) -> Result<Vec<Vec<u32>>> {
+        let cuda: Option<Vec<&fmoe_core::cuda::CudaStorage>> = self
+            .pending
+            .iter()
+            .map(|p| match p.flags.storage() {
+                Storage::Cuda(s) if s.dtype() == DType::U32 => Some(s),
+                _ => None,
+            })
+            .collect();
+        if let Some(parts) =
+            cuda.filter(|v| v.len() > 1 && v.iter().all(|s| s.device() == v[0].device()))
+        {
+            let all = fmoe_core::cuda::CudaStorage::concat(&parts)?.to_cpu()?;
+            let CpuStorage::U32(all) = all else {
+                return Err(Error::invalid("FiniteCheck::check", "flags are not u32"));
+            };
+            let mut at = 0;
+            return Ok(parts
+                .iter()
+                .map(|s| {
+                    let w = all[at..at + s.len()].to_vec();
+                    at += s.len();
+                    w
+                })
+                .collect());
+        }
+        self.pending
+            .iter()
+            .map(|p| {
+                let flags = p.flags.to_device(fmoe_core::Device::Cpu)?;
+                Ok(flags.cpu_slice::<u32>(p.op, "error_flag")?.to_vec())
+            })
+            .collect()
+    }
+}
+
+impl PendingFlag {
+    /// The error of a set flag: the first non-finite element of the data, when kept.
+    fn scan(&self) -> Error {
+        let Some(data) = &self.data else {
+            return Error::invalid(
+                self.op,
+                format!(
+                    "`{}` holds NaN or Inf (flagged by the CUDA quantization kernel; the \
+                     position is not reported)",
+                    self.tensor
+                ),
+            );
+        };
+        let values = match data.to_f32_vec() {
+            Ok(v) => v,
+            Err(e) => return e.into(),
+        };
+        match values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            Some((i, &v)) => non_finite(self.op, &self.tensor, i, v),
+            None => Error::invalid(
+                self.op,
+                format!(
+                    "the CUDA kernel flagged NaN or Inf in `{}`, but it holds none now",
+                    self.tensor
+                ),
+            ),
+        }
     }
 }
 

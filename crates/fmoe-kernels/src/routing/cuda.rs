@@ -1,8 +1,9 @@
 //! CUDA twin of the routing kernels: `cuda/topk_softmax.cu` and `cuda/grouped_topk.cu` (sharing
 //! `cuda/common/routing.cuh`), compiled by [`crate::nvrtc`]. Both run one warp per row.
 //!
-//! Callers (`super`) have validated shapes and parameters; finiteness is checked by the kernels
-//! (device flags, set with a memset and read back after the launch: one host synchronization).
+//! Callers (`super`) have validated shapes and parameters; finiteness is checked by the kernels:
+//! device flags, set with a memset and returned with the outputs, which `super` reads at once or
+//! hands back as a deferred check. Nothing here waits for the device.
 
 use std::sync::Arc;
 
@@ -158,42 +159,17 @@ fn non_finite_flags(backend: &Arc<CudaBackend>, n: usize) -> Result<CudaStorage>
     Ok(flags)
 }
 
-/// Downloads the flags (waits for the kernel: the call's one host synchronization); `None` for a
-/// word no kernel lowered.
-fn read_flags(flags: &CudaStorage) -> Result<Vec<Option<usize>>> {
-    let words = flags.to_cpu()?;
-    let words = match &words {
-        fmoe_core::CpuStorage::U32(w) => w,
-        other => {
-            return Err(crate::Error::invalid(
-                "routing flags",
-                format!("expected u32 flags, got {}", other.dtype()),
-            ));
-        }
-    };
-    Ok(words
-        .chunks_exact(2)
-        .map(|w| u64::from(w[0]) | (u64::from(w[1]) << 32))
-        .map(|i| (i != u64::MAX).then(|| usize::try_from(i).unwrap_or(usize::MAX)))
-        .collect())
+/// What a routing launch leaves on the device: weights f32 `[rows·k]`, ids u32 `[rows·k]`, and
+/// the non-finite flags (u32 words: each u64 pair the lowest flat index of a NaN/Inf, `u64::MAX`
+/// for none; `None` when nothing was launched).
+pub(crate) struct Routed {
+    pub weights: CudaStorage,
+    pub ids: CudaStorage,
+    pub flags: Option<CudaStorage>,
 }
 
-/// The twin's NonFinite error for element `index` of `data` (its value downloaded).
-fn non_finite_at(
-    op: &'static str,
-    tensor: &str,
-    data: &CudaStorage,
-    index: usize,
-) -> Result<crate::Error> {
-    let value = data
-        .copy_range(index..index.saturating_add(1))?
-        .to_cpu()
-        .map(|c| first_f32(&c))?;
-    Ok(super::non_finite(op, tensor, index, value))
-}
-
-/// Runs the kernel; returns (weights f32 `[rows·k]`, ids u32 `[rows·k]`) on the logits' device.
-pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, CudaStorage)> {
+/// Launches the kernel; `flags` holds one u64: the logits'.
+pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<Routed> {
     const OP: &str = TOPK_SOFTMAX;
     let TopKSoftmaxArgs {
         logits,
@@ -208,7 +184,11 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
     let mut weights = CudaStorage::alloc(backend, DType::F32, n)?;
     let mut ids = CudaStorage::alloc(backend, DType::U32, n)?;
     if rows == 0 {
-        return Ok((weights, ids));
+        return Ok(Routed {
+            weights,
+            ids,
+            flags: None,
+        });
     }
 
     let cfg = WarpPerRowConfig::new(logits.dtype(), experts);
@@ -251,16 +231,16 @@ pub(crate) fn topk_softmax(args: &TopKSoftmaxArgs<'_>) -> Result<(CudaStorage, C
     // the grid covers every row and the kernel writes every output element; all buffers live on
     // `stream`.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("topk_softmax: launch", e))?;
-
-    if let Some(&Some(index)) = read_flags(&flags)?.first() {
-        return Err(non_finite_at(OP, super::LOGITS, logits, index)?);
-    }
-    Ok((weights, ids))
+    Ok(Routed {
+        weights,
+        ids,
+        flags: Some(flags),
+    })
 }
 
-/// Runs the kernel; returns (weights f32 `[rows·k]`, ids u32 `[rows·k]`) on the logits' device.
-/// A non-finite logit is reported before a non-finite bias entry, as on the CPU.
-pub(crate) fn grouped_topk(args: &GroupedTopKArgs<'_>) -> Result<(CudaStorage, CudaStorage)> {
+/// Launches the kernel; `flags` holds two u64: the logits' (words 0, 1), then the bias' (words
+/// 2, 3).
+pub(crate) fn grouped_topk(args: &GroupedTopKArgs<'_>) -> Result<Routed> {
     const OP: &str = GROUPED_TOPK;
     let GroupedTopKArgs {
         logits,
@@ -325,27 +305,11 @@ pub(crate) fn grouped_topk(args: &GroupedTopKArgs<'_>) -> Result<(CudaStorage, C
     // expert; the grid covers every row and the kernel writes every output element; all buffers
     // live on `stream`.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("grouped_topk: launch", e))?;
-
-    let flags = read_flags(&flags)?;
-    if let Some(&Some(index)) = flags.first() {
-        return Err(non_finite_at(OP, super::LOGITS, logits, index)?);
-    }
-    if let Some(&Some(index)) = flags.get(1) {
-        return Err(non_finite_at(OP, super::BIAS, bias, index)?);
-    }
-    Ok((weights, ids))
-}
-
-fn first_f32(c: &fmoe_core::CpuStorage) -> f32 {
-    use fmoe_core::{CpuStorage, WithDType};
-    match c {
-        CpuStorage::F32(v) => v.first().copied(),
-        CpuStorage::BF16(v) => v.first().map(|x| x.to_f32()),
-        CpuStorage::F16(v) => v.first().map(|x| x.to_f32()),
-        CpuStorage::F8E4M3(v) => v.first().map(|x| x.to_f32()),
-        CpuStorage::U32(v) => v.first().map(|x| x.to_f32()),
-    }
-    .unwrap_or(f32::NAN)
+    Ok(Routed {
+        weights,
+        ids,
+        flags: Some(flags),
+    })
 }
 
 #[cfg(test)]

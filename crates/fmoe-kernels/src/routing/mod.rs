@@ -17,9 +17,14 @@
 //! The functions validate, then dispatch on the logits' storage; `cpu.rs` holds the CPU twin and
 //! `cuda.rs` the CUDA one (one warp per token, E ≤ 1024, any k ≤ E; more experts is an
 //! [`fmoe_core::Error::Unsupported`]). On CUDA, finiteness is checked by the kernel, which flags
-//! the first non-finite logit (and, for `grouped_topk`, bias entry); the call reads the flags back
-//! (one host synchronization) and returns the same [`fmoe_core::Error::NonFinite`] as the CPU
-//! twin. The CUDA `grouped_topk` computes sigmoid with an exp rounded from f64, so its ids equal
+//! the first non-finite logit (and, for `grouped_topk`, bias entry). [`topk_softmax`] and
+//! [`grouped_topk`] read the flags back (one host synchronization) and return the same
+//! [`fmoe_core::Error::NonFinite`] as the CPU twin; [`topk_softmax_deferred`] and
+//! [`grouped_topk_deferred`] return them unread as a [`FiniteCheck`], to be
+//! [checked](FiniteCheck::check) where the caller synchronizes anyway (a model's forward pass
+//! checks every layer's routing once, with its logits), giving that same error. On the CPU the
+//! check is always made at once and the returned [`FiniteCheck`] has nothing pending. The CUDA
+//! `grouped_topk` computes sigmoid with an exp rounded from f64, so its ids equal
 //! the twin's and its weights differ from them by an ulp at most where the host's `expf` is
 //! correctly rounded. Outputs stay on the logits' device.
 
@@ -30,6 +35,7 @@ pub(crate) use cuda::variants as cuda_variants;
 
 use fmoe_core::{CpuStorage, DType, Storage, Tensor};
 
+pub use crate::quant_fp8::FiniteCheck;
 use crate::{Error, Result};
 
 /// Name under which the router logits appear in errors.
@@ -64,8 +70,24 @@ pub struct GroupedTopKParams {
 /// weights by their sum.
 ///
 /// `logits` is `[M, E]`, f32, bf16 or f16. Requires `1 <= top_k <= E` and finite logits.
-/// The order is that of the logits (softmax is monotonic), ties to the lower index.
+/// The order is that of the logits (softmax is monotonic), ties to the lower index. On CUDA the
+/// finiteness flag is read before returning (a synchronization; see [`topk_softmax_deferred`]).
 pub fn topk_softmax(logits: &Tensor, top_k: usize, renormalize: bool) -> Result<TopK> {
+    let (topk, check) = topk_softmax_deferred(logits, top_k, renormalize)?;
+    check.check()?;
+    Ok(topk)
+}
+
+/// [`topk_softmax`] without waiting for the device: on CUDA the routing comes back with the
+/// kernel's non-finite flag unread, as a [`FiniteCheck`] whose [`check`](FiniteCheck::check)
+/// gives [`topk_softmax`]'s error (a row with a NaN/Inf logit is routed meaninglessly, to valid
+/// expert ids, in the meantime). On the CPU non-finite logits are an error at once and nothing
+/// is pending.
+pub fn topk_softmax_deferred(
+    logits: &Tensor,
+    top_k: usize,
+    renormalize: bool,
+) -> Result<(TopK, FiniteCheck)> {
     const OP: &str = "topk_softmax";
     let (rows, experts) = check_logits(OP, logits)?;
     check_top_k(OP, top_k, experts)?;
@@ -82,20 +104,31 @@ pub fn topk_softmax(logits: &Tensor, top_k: usize, renormalize: bool) -> Result<
                 CpuStorage::F16(v) => cpu::topk_softmax(v, experts, top_k, renormalize, w, i),
                 other => return Err(logits_dtype_error(OP, other.dtype())),
             }
-            output(logits, rows, top_k, weights, ids)
+            Ok((
+                output(logits, rows, top_k, weights, ids)?,
+                FiniteCheck::none(),
+            ))
         }
         Storage::Cuda(s) => {
-            let (weights, ids) = cuda::topk_softmax(&cuda::TopKSoftmaxArgs {
+            let r = cuda::topk_softmax(&cuda::TopKSoftmaxArgs {
                 logits: s,
                 rows,
                 experts,
                 top_k,
                 renormalize,
             })?;
-            Ok(TopK {
-                weights: Tensor::from_storage(Storage::Cuda(weights), [rows, top_k])?,
-                ids: Tensor::from_storage(Storage::Cuda(ids), [rows, top_k])?,
-            })
+            let mut check = FiniteCheck::none();
+            if let Some(flags) = r.flags {
+                let flags = Tensor::from_storage(Storage::Cuda(flags), [2])?;
+                check.merge(FiniteCheck::lowest_index(
+                    OP,
+                    LOGITS,
+                    flags,
+                    0,
+                    logits.clone(),
+                ));
+            }
+            Ok((cuda_topk(r.weights, r.ids, rows, top_k)?, check))
         }
     }
 }
@@ -111,8 +144,23 @@ pub fn topk_softmax(logits: &Tensor, top_k: usize, renormalize: bool) -> Result<
 ///   sum (+1e-20 so that all-underflowed scores give 0, not NaN); then always multiplied by
 ///   `routed_scaling_factor`, as Hugging Face's DeepseekV3 does.
 ///
-/// `logits` is `[M, E]` f32, bf16 or f16; `bias` is `[E]` f32, on the same device.
+/// `logits` is `[M, E]` f32, bf16 or f16; `bias` is `[E]` f32, on the same device. On CUDA the
+/// finiteness flags are read before returning (a synchronization; see [`grouped_topk_deferred`]).
 pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Result<TopK> {
+    let (topk, check) = grouped_topk_deferred(logits, bias, p)?;
+    check.check()?;
+    Ok(topk)
+}
+
+/// [`grouped_topk`] without waiting for the device: on CUDA the routing comes back with the
+/// kernel's flags unread, as a [`FiniteCheck`] whose [`check`](FiniteCheck::check) gives
+/// [`grouped_topk`]'s error (a non-finite logit before a non-finite bias entry). On the CPU
+/// non-finite input is an error at once and nothing is pending.
+pub fn grouped_topk_deferred(
+    logits: &Tensor,
+    bias: &Tensor,
+    p: &GroupedTopKParams,
+) -> Result<(TopK, FiniteCheck)> {
     const OP: &str = "grouped_topk";
     let (rows, experts) = check_logits(OP, logits)?;
     check_top_k(OP, p.top_k, experts)?;
@@ -147,23 +195,48 @@ pub fn grouped_topk(logits: &Tensor, bias: &Tensor, p: &GroupedTopKParams) -> Re
                 CpuStorage::F16(v) => cpu::grouped_topk(v, b, p, w, i),
                 other => return Err(logits_dtype_error(OP, other.dtype())),
             }
-            output(logits, rows, p.top_k, weights, ids)
+            Ok((
+                output(logits, rows, p.top_k, weights, ids)?,
+                FiniteCheck::none(),
+            ))
         }
         Storage::Cuda(s) => {
-            let bias = crate::launch::cuda_storage(OP, BIAS, bias, logits.device())?;
-            let (weights, ids) = cuda::grouped_topk(&cuda::GroupedTopKArgs {
+            let bias_s = crate::launch::cuda_storage(OP, BIAS, bias, logits.device())?;
+            let r = cuda::grouped_topk(&cuda::GroupedTopKArgs {
                 logits: s,
-                bias,
+                bias: bias_s,
                 rows,
                 experts,
                 params: *p,
             })?;
-            Ok(TopK {
-                weights: Tensor::from_storage(Storage::Cuda(weights), [rows, p.top_k])?,
-                ids: Tensor::from_storage(Storage::Cuda(ids), [rows, p.top_k])?,
-            })
+            let mut check = FiniteCheck::none();
+            if let Some(flags) = r.flags {
+                let flags = Tensor::from_storage(Storage::Cuda(flags), [4])?;
+                // Logits first: the CPU twin reports them before the bias.
+                check.merge(FiniteCheck::lowest_index(
+                    OP,
+                    LOGITS,
+                    flags.clone(),
+                    0,
+                    logits.clone(),
+                ));
+                check.merge(FiniteCheck::lowest_index(OP, BIAS, flags, 2, bias.clone()));
+            }
+            Ok((cuda_topk(r.weights, r.ids, rows, p.top_k)?, check))
         }
     }
+}
+
+fn cuda_topk(
+    weights: fmoe_core::cuda::CudaStorage,
+    ids: fmoe_core::cuda::CudaStorage,
+    rows: usize,
+    top_k: usize,
+) -> Result<TopK> {
+    Ok(TopK {
+        weights: Tensor::from_storage(Storage::Cuda(weights), [rows, top_k])?,
+        ids: Tensor::from_storage(Storage::Cuda(ids), [rows, top_k])?,
+    })
 }
 
 /// Rank 2 and a float dtype; returns (M, E).

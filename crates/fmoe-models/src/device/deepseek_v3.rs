@@ -2,26 +2,30 @@
 //!
 //! MLA: `q = q_b(rms(q_a(x)))` (or `q_proj(x)`), interleaved rotary on each head's rope dims
 //! (YaRN cos/sin from the host table); `kv_a(x) = [latent | k_pe]`, rotary on `k_pe`, the latent
-//! normalized; latent (stream 0) and `k_pe` (stream 1) appended to the slab cache. Attention
-//! decompresses the cached tokens of the batch's sequences: their latent rows are gathered from
-//! the slab, `k_nope = latent·W_ukᵀ`, `v = latent·W_uvᵀ` (kv_b's key and value rows, split at
+//! normalized; latent (stream 0) and `k_pe` (stream 1) appended to the slab cache (one launch
+//! through the pass's slot mapping). Attention decompresses the cached tokens of the batch's
+//! sequences: their latent rows are gathered from the slab (by an index uploaded once per pass), `k_nope = latent·W_ukᵀ`, `v = latent·W_uvᵀ` (kv_b's key and value rows, split at
 //! load), per head `k = [k_nope_h | k_pe]` (`concat_heads`), then `causal_attention` with
 //! q·k over nope + rope and v of `v_head_dim`. (The absorbed form, attention in latent space,
 //! needs a per-head batched GEMM the kernel library does not have yet; the host path has it.)
 //!
 //! FFN: the first `first_k_dense_replace` layers a SwiGLU MLP (gate and up rows in one GEMM,
 //! `silu_mul`, down); after them the router gate (f32 logits) → grouped sigmoid routing →
-//! [`fmoe_moe::FusedMoe`] with the shared expert.
+//! [`fmoe_moe::FusedMoe`] with the shared expert (the routing's NaN/Inf check deferred to the
+//! pass's end).
 
 use fmoe_core::Tensor;
-use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
-use fmoe_kernels::elementwise::{concat_heads, gather_rows, narrow_cols, silu_mul};
+use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention_planned, plan_attention};
+use fmoe_kernels::elementwise::{RowIndex, concat_heads, gather_rows_at, narrow_cols, silu_mul};
+use fmoe_kernels::kv_cache::KvSource;
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
 use fmoe_kernels::routing::TopK;
 use fmoe_moe::FusedMoe;
 
-use super::{DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense};
+use super::{
+    Checks, DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense,
+};
 use crate::Result;
 use crate::config::{DeepseekV3Config, QuantizationConfig};
 use crate::layers::mla::MLA_NORM_EPS;
@@ -201,7 +205,12 @@ impl Model {
         );
         let qk = dn + dr;
         let dtype = self.ctx.dtype;
-        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, self.ctx.device)?;
+        let device = self.ctx.device;
+        // Uploaded once, read by every layer: rotary tables, slot mapping, the cached rows'
+        // index, attention plan.
+        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, device)?;
+        let chunks: Vec<_> = batch.spans.iter().map(|sp| (sp.seq, sp.len)).collect();
+        let slots = cache.slot_mapping(&chunks)?;
         // Every cached token of the batch's sequences (after this pass's appends), sequence by
         // sequence: the slab rows attention decompresses, and where each sequence starts.
         let mut rows = Vec::new();
@@ -224,6 +233,8 @@ impl Model {
             scale: s.scale,
             sliding_window: None,
         };
+        let plan = plan_attention(t, rows.len(), &spans, &params, device)?;
+        let rows = RowIndex::new(&rows, device)?;
         let rotate = |x: &Tensor, heads: usize, head_dim: usize, offset: usize| -> Result<Tensor> {
             Ok(apply_rotary(
                 x,
@@ -236,6 +247,7 @@ impl Model {
                 RotaryStyle::Interleaved,
             )?)
         };
+        let mut checks = Checks::default();
         let mut res = Residual::new(self.ends.embed(&batch.tokens)?);
         for (i, l) in self.layers.iter().enumerate() {
             let x = res.norm(&l.input_layernorm)?;
@@ -250,33 +262,41 @@ impl Model {
             // [latent | k_pe] with k_pe rotated (the latent is copied through).
             let ckv = rotate(&linear(&x, &a.kv_a_proj_with_mqa, dtype)?, 1, r + dr, r)?;
             let latent = a.kv_a_layernorm.forward(&narrow_cols(&ckv, 0, r)?)?;
-            for sp in &batch.spans {
-                cache.append_rows(sp.seq, i, 0, &latent, sp.offset, 0, sp.len)?;
-                cache.append_rows(sp.seq, i, 1, &ckv, sp.offset, r, sp.len)?;
-            }
-            let lat = gather_rows(cache.slab(i, 0)?, &rows)?;
-            let k_pe = gather_rows(cache.slab(i, 1)?, &rows)?;
+            let kv = [
+                KvSource {
+                    src: &latent,
+                    col: 0,
+                },
+                KvSource { src: &ckv, col: r },
+            ];
+            cache.append_mapped(i, &kv, &slots)?;
+            let lat = gather_rows_at(cache.slab(i, 0)?, &rows)?;
+            let k_pe = gather_rows_at(cache.slab(i, 1)?, &rows)?;
             let k = concat_heads(&linear(&lat, &a.w_uk, dtype)?, &k_pe, nh)?;
             let v = linear(&lat, &a.w_uv, dtype)?;
-            let o = causal_attention(&q, &k, &v, &spans, &params)?;
+            let o = causal_attention_planned(&q, &k, &v, &plan)?;
             res.push(linear(&o, &a.o_proj, dtype)?);
             let m = res.norm(&l.post_attention_layernorm)?;
             let y = match &l.mlp {
                 Ffn::Dense { gate_up, down } => {
                     linear(&silu_mul(&linear(&m, gate_up, dtype)?)?, down, dtype)?
                 }
-                Ffn::Moe(moe) => match trace.as_deref_mut() {
-                    None => moe.forward(&m, None)?,
-                    Some(trace) => {
-                        let mut one = Vec::with_capacity(1);
-                        let y = moe.forward(&m, Some(&mut one))?;
-                        trace.extend(one.into_iter().map(|tk| (i, tk)));
-                        y
-                    }
-                },
+                Ffn::Moe(moe) => {
+                    let (y, check) = match trace.as_deref_mut() {
+                        None => moe.forward(&m, None)?,
+                        Some(trace) => {
+                            let mut one = Vec::with_capacity(1);
+                            let out = moe.forward(&m, Some(&mut one))?;
+                            trace.extend(one.into_iter().map(|tk| (i, tk)));
+                            out
+                        }
+                    };
+                    checks.add(check)?;
+                    y
+                }
             };
             res.push(y);
         }
-        self.ends.logits(res, batch, which)
+        self.ends.logits(res, batch, which, checks)
     }
 }

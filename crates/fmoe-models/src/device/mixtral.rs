@@ -1,17 +1,22 @@
 //! Mixtral on the device path. Per layer: `add_rms_norm` (the previous branch's output joins the
 //! stream there) → one q/k/v GEMM over the weights concatenated at load → half-split rotary on
-//! q and k → K and V appended to the slab cache (column blocks of the batch's rows: one copy per
-//! sequence and stream) → `causal_attention` over the slabs in place → o_proj → `add_rms_norm` →
-//! router gate (f32 logits) → softmax top-k on the device → [`fmoe_moe::FusedMoe`].
+//! q and k → K and V appended to the slab cache (the rotated k, and V straight from its columns
+//! of the q/k/v rows: one launch through the pass's slot mapping) → `causal_attention` over the
+//! slabs in place (on the pass's plan) → o_proj → `add_rms_norm` → router gate (f32 logits) →
+//! softmax top-k on the device (its NaN/Inf check deferred to the pass's end) →
+//! [`fmoe_moe::FusedMoe`].
 
 use fmoe_core::Tensor;
-use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention};
+use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention_planned, plan_attention};
 use fmoe_kernels::elementwise::narrow_cols;
+use fmoe_kernels::kv_cache::KvSource;
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
 use fmoe_moe::FusedMoe;
 
-use super::{DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense};
+use super::{
+    Checks, DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense,
+};
 use crate::Result;
 use crate::config::{MixtralConfig, QuantizationConfig};
 use crate::layers::{AttentionSpec, Rotary};
@@ -117,7 +122,11 @@ impl Model {
         let s = &self.spec;
         let d = s.head_dim;
         let (q_w, kv_w) = (s.num_heads * d, s.num_kv_heads * d);
-        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, self.ctx.device)?;
+        let device = self.ctx.device;
+        // Uploaded once, read by every layer: rotary tables, slot mapping, attention plan.
+        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, device)?;
+        let chunks: Vec<_> = batch.spans.iter().map(|sp| (sp.seq, sp.len)).collect();
+        let slots = cache.slot_mapping(&chunks)?;
         let spans = batch
             .spans
             .iter()
@@ -138,6 +147,8 @@ impl Model {
             scale: 1.0 / (d as f32).sqrt(),
             sliding_window: s.sliding_window,
         };
+        let kv_rows = cache.slab(0, 0)?.dims()[0];
+        let plan = plan_attention(t, kv_rows, &spans, &params, device)?;
         let dtype = self.ctx.dtype;
         let rotate = |x: &Tensor, heads: usize| -> Result<Tensor> {
             Ok(apply_rotary(
@@ -151,22 +162,29 @@ impl Model {
                 RotaryStyle::HalfSplit,
             )?)
         };
+        let mut checks = Checks::default();
         let mut res = Residual::new(self.ends.embed(&batch.tokens)?);
         for (i, l) in self.layers.iter().enumerate() {
             let a = res.norm(&l.input_layernorm)?;
             let qkv = linear(&a, &l.qkv_proj, dtype)?;
             let q = rotate(&narrow_cols(&qkv, 0, q_w)?, s.num_heads)?;
             let k = rotate(&narrow_cols(&qkv, q_w, kv_w)?, s.num_kv_heads)?;
-            for sp in &batch.spans {
-                cache.append_rows(sp.seq, i, 0, &k, sp.offset, 0, sp.len)?;
-                // V straight from its columns of the q/k/v rows.
-                cache.append_rows(sp.seq, i, 1, &qkv, sp.offset, q_w + kv_w, sp.len)?;
-            }
-            let o = causal_attention(&q, cache.slab(i, 0)?, cache.slab(i, 1)?, &spans, &params)?;
+            // V straight from its columns of the q/k/v rows.
+            let kv = [
+                KvSource { src: &k, col: 0 },
+                KvSource {
+                    src: &qkv,
+                    col: q_w + kv_w,
+                },
+            ];
+            cache.append_mapped(i, &kv, &slots)?;
+            let o = causal_attention_planned(&q, cache.slab(i, 0)?, cache.slab(i, 1)?, &plan)?;
             res.push(linear(&o, &l.o_proj, dtype)?);
             let m = res.norm(&l.post_attention_layernorm)?;
-            res.push(l.moe.forward(&m, None)?);
+            let (y, check) = l.moe.forward(&m, None)?;
+            checks.add(check)?;
+            res.push(y);
         }
-        self.ends.logits(res, batch, which)
+        self.ends.logits(res, batch, which, checks)
     }
 }

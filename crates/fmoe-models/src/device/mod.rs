@@ -11,6 +11,17 @@
 //! final norm, lm_head over the requested rows: [`Ends`]), the per-pass rotary tables
 //! ([`RopeTensors`]) and the MoE block ([`DeviceMoe`]: router gate → routing → [`FusedMoe`]).
 //! The model files hold the rest: [`mixtral`] and [`deepseek_v3`].
+//!
+//! Host work per pass, not per layer: what every layer reads the same way is uploaded once per
+//! forward pass — the rotary tables, the KV cache's slot mapping
+//! ([`crate::model::KvCache::slot_mapping`]), the attention plan
+//! ([`fmoe_kernels::attention::plan_attention`]) and DeepSeek-V3's cached-row index — and nothing
+//! waits for the device before the logits: the routing kernels' NaN/Inf flags (and the fp8 MoE
+//! quantizations') are collected over the layers as one [`FiniteCheck`] ([`Checks`]) and read
+//! once, just before the logits come down, giving the error the first flagged layer would have
+//! given at once (a NonFinite error naming `router_logits`). A NaN therefore no longer stops the
+//! pass at its layer: the rest of the pass runs on meaningless values (valid expert ids) and the
+//! error comes at its end.
 
 pub mod deepseek_v3;
 pub mod mixtral;
@@ -19,6 +30,7 @@ use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::elementwise;
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::norm::{add_rms_norm, rms_norm};
+use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 use fmoe_moe::FusedMoe;
 
@@ -226,12 +238,14 @@ impl Ends {
     }
 
     /// f32 logits `[rows, vocab]` on the host for the rows `which` asks for: those rows of the
-    /// stream are picked first, so the final norm and lm_head see only them.
+    /// stream are picked first, so the final norm and lm_head see only them. The pass's deferred
+    /// `checks` are read first (the one synchronization of the pass, with the logits' download).
     pub(crate) fn logits(
         &self,
         res: Residual,
         batch: &ForwardBatch,
         which: LogitsFor,
+        checks: Checks,
     ) -> Result<Tensor> {
         let rows = batch.logit_rows(which);
         let pick = |t: &Tensor| -> Result<Tensor> {
@@ -247,9 +261,37 @@ impl Ends {
         };
         let n = last.norm(&self.norm)?;
         let logits = linear(&n, &self.lm_head, DType::F32)?;
+        checks.resolve()?;
         let logits = logits.to_device(Device::Cpu)?;
         logits.expect_dims("CausalLm::forward", "logits", &[rows.len(), self.vocab])?;
         Ok(logits)
+    }
+}
+
+/// The NaN/Inf checks a forward pass defers to its end (see the module docs).
+#[derive(Default)]
+pub(crate) struct Checks(FiniteCheck);
+
+impl Checks {
+    /// Past this many device bytes kept alive by pending checks (the flagged activations: a long
+    /// fp8 prefill keeps each layer's MoE input), they are read at once: such a pass is long
+    /// enough that one more synchronization does not show.
+    const HELD_BYTES_LIMIT: usize = 256 << 20;
+
+    pub(crate) fn add(&mut self, c: FiniteCheck) -> Result<()> {
+        self.0.merge(c);
+        if self.0.held_bytes() > Self::HELD_BYTES_LIMIT {
+            std::mem::take(self).resolve()?;
+        }
+        Ok(())
+    }
+
+    /// Reads every flag (one synchronization on CUDA): the first set is the error routing or
+    /// the MoE layer would have returned at once, as the MoE layer's error.
+    pub(crate) fn resolve(self) -> Result<()> {
+        self.0
+            .check()
+            .map_err(|e| crate::Error::Moe(fmoe_moe::Error::Kernel(e)))
     }
 }
 
@@ -280,26 +322,32 @@ impl DeviceMoe {
         &self.experts
     }
 
-    /// `x` [rows, hidden] → [rows, hidden]; the routing is pushed onto `trace` (downloaded) when
-    /// given.
-    pub(crate) fn forward(&self, x: &Tensor, trace: Option<&mut Vec<TopK>>) -> Result<Tensor> {
+    /// `x` [rows, hidden] → [rows, hidden], with the routing's and the experts' NaN/Inf checks
+    /// unread (nothing here waits for the device; see the module docs); the routing is pushed
+    /// onto `trace` (downloaded) when given.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        trace: Option<&mut Vec<TopK>>,
+    ) -> Result<(Tensor, FiniteCheck)> {
         let logits = linear(x, &self.gate, DType::F32)?;
         let config = self.experts.config();
         let device_bias = self.bias.as_ref().map(|b| &b.0);
-        let topk = match fmoe_moe::router::route(config, &logits, device_bias) {
+        let (topk, mut check) = match fmoe_moe::router::route_deferred(config, &logits, device_bias)
+        {
             Ok(t) => t,
-            // grouped_topk has no CUDA kernel in this tree yet (another branch brings one):
-            // until then DeepSeek-V3 routes on the host: the f32 logits come down, the top-k
-            // goes up (one synchronization per MoE layer).
+            // More experts than the CUDA routing kernels take: route on the host (the f32
+            // logits come down, the top-k goes up: a synchronization, checked at once).
             Err(fmoe_moe::Error::Kernel(fmoe_kernels::Error::Core(
                 fmoe_core::Error::Unsupported { .. },
             ))) if !logits.device().is_cpu() => {
                 let host = logits.to_device(Device::Cpu)?;
                 let t = fmoe_moe::router::route(config, &host, self.bias.as_ref().map(|b| &b.1))?;
-                TopK {
+                let topk = TopK {
                     ids: t.ids.to_device(logits.device())?,
                     weights: t.weights.to_device(logits.device())?,
-                }
+                };
+                (topk, FiniteCheck::none())
             }
             Err(e) => return Err(e.into()),
         };
@@ -309,6 +357,8 @@ impl DeviceMoe {
                 weights: topk.weights.to_device(Device::Cpu)?,
             });
         }
-        Ok(self.experts.forward_routed(x, &topk)?)
+        let (y, c) = self.experts.forward_routed_deferred(x, &topk)?;
+        check.merge(c);
+        Ok((y, check))
     }
 }
