@@ -8,7 +8,7 @@
 //! other test may issue work meanwhile. Without a CUDA device it prints "skipping: <reason>" and
 //! passes, unless `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure.
 
-use fmoe_core::cuda::{capture_graph, cuda_backend};
+use fmoe_core::cuda::{capture_graph, test_backend_or_skip};
 use fmoe_core::{DType, Device, Error as CoreError, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::routing::{
@@ -29,16 +29,8 @@ fn host(t: &TopK) -> (Vec<f32>, Vec<u32>) {
 
 #[test]
 fn deferred_routing_waits_for_nothing_and_reports_later() {
-    let backend = match cuda_backend(0) {
-        Ok(b) => b,
-        Err(e) => {
-            assert!(
-                std::env::var("FMOE_REQUIRE_CUDA").as_deref() != Ok("1"),
-                "FMOE_REQUIRE_CUDA=1 but {e}"
-            );
-            println!("skipping: {e}");
-            return;
-        }
+    let Some(backend) = test_backend_or_skip() else {
+        return;
     };
     let (m, e) = (9, 16);
     let p = GroupedTopKParams {

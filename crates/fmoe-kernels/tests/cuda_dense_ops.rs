@@ -573,7 +573,9 @@ fn random_rows(rng: &mut ChaCha8Rng, rows: usize, cols: usize, dtype: DType) -> 
 /// random, so a row written where it should not be, or not at all, shows.
 #[test]
 fn kv_append_is_exact() {
-    let Some(_b) = backend_or_skip() else { return };
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
     let mut rng = ChaCha8Rng::seed_from_u64(0x6b76);
     // Per stream (source width, column, slab width).
     let layouts: [&[(usize, usize, usize)]; 4] = [
