@@ -395,7 +395,18 @@ fn nan_hidden_state(cuda: bool) {
                 }
                 if cuda {
                     let got = nan_errors(Target::Cuda, &dir, scheme, family, &bad, &clean, x);
-                    assert_eq!(got, twins, "{what}: CUDA vs the CPU twins");
+                    // Prefill: the same error, but the flagged row may be earlier on CUDA. The
+                    // tensor-core attention multiplies masked (future) keys' values by a zero
+                    // probability, and 0·NaN = NaN, as matmul-based attention (torch,
+                    // transformers) does; the CPU twin skips masked keys. Decode (one row) is
+                    // exact.
+                    let row_free = |e: &str| e.split(" at flat index").next().map(str::to_owned);
+                    assert_eq!(
+                        row_free(&got[0]),
+                        row_free(&twins[0]),
+                        "{what}: prefill, CUDA vs the CPU twins"
+                    );
+                    assert_eq!(got[1], twins[1], "{what}: decode, CUDA vs the CPU twins");
                 }
                 println!("{what}: {}", twins[0]);
             }

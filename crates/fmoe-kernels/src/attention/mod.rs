@@ -18,6 +18,9 @@
 //! softmax and accumulation (`cuda/common/flash_attention.cuh`). The work unit is a tile of
 //! *packed rows* — (query, head) pairs of one sequence sharing one kv head, so K/V are read once
 //! per GQA group — walking the key tiles of the causal / sliding-window band only.
+//! Within a key tile, masked keys get probability 0 and still enter the P·V product, so a NaN
+//! or Inf in a masked key's value reaches earlier queries (0·NaN), as in matmul attention
+//! (torch, transformers); the CPU twin skips masked keys. Finite inputs give the same result.
 //!
 //! Kernel choice, per span, with `group = num_heads / num_kv_heads`:
 //! - `q_len · group <= 16` → the decode kernel (`attention_decode.cu`, flash-decoding): one

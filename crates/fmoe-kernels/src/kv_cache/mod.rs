@@ -54,7 +54,9 @@ pub fn append_rows(slabs: &mut [Tensor], sources: &[KvSource<'_>], slots: &RowIn
             ),
         ));
     }
-    let device = slots.device();
+    // The slabs set the device; ids elsewhere are named as such.
+    let device = slabs[0].device();
+    slots.ids().expect_device(OP, "ids", device)?;
     let tokens = slots.len();
     let mut geometry = Vec::with_capacity(slabs.len());
     for (i, (slab, s)) in slabs.iter().zip(sources).enumerate() {
