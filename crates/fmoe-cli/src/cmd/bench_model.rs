@@ -169,9 +169,13 @@ pub fn run(args: ModelArgs) -> Result<()> {
     let load_s = t0.elapsed().as_secs_f64();
     let model = loaded.model.as_ref();
     let info = model.info();
+    let moe = match info.moe {
+        Some((scheme, family)) => format!("MoE {scheme}/{family}"),
+        None => "no MoE layer".to_owned(),
+    };
     eprintln!(
-        "loaded {} ({} layers) on {device} in {load_s:.1} s; MoE {:?}",
-        info.architecture, info.kv_layout.num_layers, info.moe
+        "loaded {} ({} layers) on {device} in {load_s:.1} s; {moe}",
+        info.architecture, info.kv_layout.num_layers
     );
     let mut json = match &args.json {
         Some(p) => Some(
