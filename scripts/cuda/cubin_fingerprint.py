@@ -71,13 +71,13 @@ def variants():
     # harness's default and the unit test's config = (32, 3).
     add("moe_gemm_bf16", "moe_gemm_bf16.cu",
         *[[("MODE", str(m)), ("BK", str(bk)), ("STAGES", str(st))] for m in (1, 2) for bk, st in ((64, 4), (32, 3))])
-    # kind Sm90: MODE, WG_N, STAGES, BM. SM90_SMALL (128, 4, 64), SM90_LARGE (256, 4, 128); the bf16
+    # kind Sm90: MODE, WG_N, STAGES, BM. SM90_SMALL (128, 4, 64), SM90_SYNC (256, 4, 128); the bf16
     # harness's SWEEP and its --kind sm90 defaults (256, 3, 64).
     sm90 = [(128, 4, 64), (256, 4, 128), (128, 5, 64), (256, 4, 64), (128, 4, 128), (256, 3, 128), (256, 3, 64)]
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", str(n)), ("STAGES", str(st)), ("BM", str(bm))] for m in (1, 2) for n, st, bm in sm90])
-    # The SM90_LARGE experiments (FMOE_DEV_SM90_LARGE): "raster" = SM90_LARGE + RASTER_GM=16;
-    # kind Sm90Ws ("ws", "ws_gm8"): MODE, STAGES, RASTER_GM; Sm90WsTma ("ws_tma") adds B_TMA=1.
+    # The SM90_LARGE experiments (FMOE_DEV_SM90_LARGE): "raster" = SM90_SYNC + RASTER_GM=16;
+    # kind Sm90Ws ("ws", "ws_gm8"): MODE, STAGES, RASTER_GM; Sm90WsTma (SM90_LARGE) adds B_TMA=1.
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", "256"), ("STAGES", "4"), ("BM", "128"), ("RASTER_GM", "16")] for m in (1, 2)])
     add("moe_gemm_bf16_sm90_ws", "moe_gemm_bf16_sm90_ws.cu",
