@@ -71,11 +71,18 @@ def variants():
     # harness's default and the unit test's config = (32, 3).
     add("moe_gemm_bf16", "moe_gemm_bf16.cu",
         *[[("MODE", str(m)), ("BK", str(bk)), ("STAGES", str(st))] for m in (1, 2) for bk, st in ((64, 4), (32, 3))])
-    # kind Sm90: MODE, WG_N, STAGES, BM. SM90_SMALL (128, 4, 64), SM90_LARGE (256, 4, 128); the bf16
+    # kind Sm90: MODE, WG_N, STAGES, BM. SM90_SMALL (128, 4, 64), SM90_SYNC (256, 4, 128); the bf16
     # harness's SWEEP and its --kind sm90 defaults (256, 3, 64).
     sm90 = [(128, 4, 64), (256, 4, 128), (128, 5, 64), (256, 4, 64), (128, 4, 128), (256, 3, 128), (256, 3, 64)]
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", str(n)), ("STAGES", str(st)), ("BM", str(bm))] for m in (1, 2) for n, st, bm in sm90])
+    # The SM90_LARGE experiments (FMOE_DEV_SM90_LARGE): "raster" = SM90_SYNC + RASTER_GM=16;
+    # kind Sm90Ws ("ws", "ws_gm8"): MODE, STAGES, RASTER_GM; Sm90WsTma (SM90_LARGE) adds B_TMA=1.
+    add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
+        *[[("MODE", str(m)), ("WG_N", "256"), ("STAGES", "4"), ("BM", "128"), ("RASTER_GM", "16")] for m in (1, 2)])
+    add("moe_gemm_bf16_sm90_ws", "moe_gemm_bf16_sm90_ws.cu",
+        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g))] for m in (1, 2) for g in (16, 8)],
+        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", "16"), ("B_TMA", "1")] for m in (1, 2)])
     # moe_gemm/cuda_fp8.rs Fp8GemmConfig::defines, per-tensor: MODE, WG_N, STAGES, BM, PROMOTE.
     # FP8_TENSOR_SMALL (128, 4, 64, 1), FP8_TENSOR_LARGE (256, 4, 128, 0); the fp8 harness's
     # TENSOR_SMALL, TENSOR_PROMOTED and SWEEP_T.

@@ -7,6 +7,9 @@
 // the next tile is waited for, so the ring prefetches STAGES - 2 tiles ahead. GEMM1 (MODE 1) tiles pair WG_N/2 gate rows with the
 // matching up rows; GEMM2 (MODE 2) may split the reduction over gridDim.z.
 //
+// Used as SM90_SMALL and SM90_SYNC (cuda.rs); SM90_LARGE is moe_gemm_bf16_sm90_ws.cu.
+// RASTER_GM (optional): blocks take their tiles in grouped order (raster_grouped in moe_tile.cuh).
+//
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
 
 #include <cuda_bf16.h>
@@ -47,9 +50,15 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];
 
-    const unsigned int m0 = blockIdx.y * BM;
+#ifdef RASTER_GM
+    const TileCoord tc = raster_grouped(RASTER_GM);
+    const unsigned int m_block = tc.m_block, n_tile = tc.n_tile;
+#else
+    const unsigned int m_block = blockIdx.y, n_tile = blockIdx.x;
+#endif
+    const unsigned int m0 = m_block * BM;
     if (m0 >= *total) return;
-    const unsigned int e = block_experts[blockIdx.y];
+    const unsigned int e = block_experts[m_block];
     const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned int g = lane >> 2, t = lane & 3, wg = tid >> 7;
 
@@ -58,10 +67,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     const unsigned int ring = (raw + 1023) & ~1023u;
 
 #if MODE == 1
-    const unsigned int n0 = blockIdx.x * (WG_N / 2);
+    const unsigned int n0 = n_tile * (WG_N / 2);
     const unsigned long long w_rows = 2ull * n_out;
 #else
-    const unsigned int n0 = blockIdx.x * WG_N;
+    const unsigned int n0 = n_tile * WG_N;
     const unsigned long long w_rows = n_out;
 #endif
     const __nv_bfloat16* we = w + (unsigned long long)e * w_rows * kd;

@@ -28,4 +28,19 @@ __device__ __forceinline__ void load_weight_tile(unsigned int dst, const T* we,
     }
 }
 
+// Grouped rasterization: the block's (N tile, M block) when blocks run in launch order over groups
+// of `gm` M blocks, M fastest inside a group. Blocks resident together then share a few weight
+// tiles and a few gathered A tiles instead of sweeping every N tile of one M block, which re-reads
+// a whole expert's weights from DRAM for each M block (GEMM1 at prefill was DRAM-bound on it).
+struct TileCoord {
+    unsigned int n_tile, m_block;
+};
+__device__ __forceinline__ TileCoord raster_grouped(unsigned int gm) {
+    const unsigned int n_tiles = gridDim.x, m_blocks = gridDim.y;
+    const unsigned int lin = blockIdx.x + blockIdx.y * n_tiles;
+    const unsigned int group = lin / (gm * n_tiles), rem = lin - group * (gm * n_tiles);
+    const unsigned int m_first = group * gm, rows = min(gm, m_blocks - m_first);
+    return {rem / rows, m_first + rem % rows};
+}
+
 #endif  // FMOE_COMMON_MOE_TILE_CUH

@@ -18,8 +18,9 @@
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
+use fmoe_core::cuda::cudarc::driver::sys;
 use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
@@ -47,6 +48,9 @@ pub struct GemmConfig {
     pub wg_n: usize,
     /// Split GEMM2's reduction over `gridDim.z` when the grid is too small to fill the GPU.
     pub split_k: bool,
+    /// `Sm90`/`Sm90Ws`: blocks take their tiles in groups of this many M blocks, M fastest
+    /// (`-D RASTER_GM`; 0 = launch order, N fastest).
+    pub raster_gm: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +59,12 @@ pub enum GemmKind {
     Mma,
     /// `cuda/moe_gemm_bf16_sm90.cu`: wgmma (sm_90a only), BM × WG_N tiles, BM/64 warpgroups.
     Sm90,
+    /// `cuda/moe_gemm_bf16_sm90_ws.cu`: wgmma, 128 × 256 tiles, warp-specialized (one loader
+    /// warpgroup, two MMA warpgroups, an mbarrier ring).
+    Sm90Ws,
+    /// `Sm90Ws` with the weight tile through the copy engine (`-D B_TMA=1`, a tensor map over
+    /// the weights as one more kernel argument).
+    Sm90WsTma,
 }
 
 /// mma.sync kernel: any sm_80+ device.
@@ -65,6 +75,7 @@ pub const MMA: GemmConfig = GemmConfig {
     stages: 4,
     wg_n: 128,
     split_k: true,
+    raster_gm: 0,
 };
 
 /// wgmma kernel, decode-sized batches: 64-row tiles and 128 weight rows keep two blocks per SM
@@ -76,18 +87,92 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
     stages: 4,
     wg_n: 128,
     split_k: true,
+    raster_gm: 0,
 };
 
-/// wgmma kernel, prefill-sized batches: 128 × 256 tiles (two warpgroups) halve the weight
-/// re-reads per route and double the MMA work per barrier.
+/// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route; the
+/// warp-specialized kernel with the weights through TMA, in grouped tile order (H200, one device
+/// call with every [`SM90_LARGE_EXPERIMENTS`] entry: 1.24–1.36× faster than [`SM90_SYNC`] at
+/// M = 1024–16384 on Mixtral-8x7B/8x22B, 1.15–1.18× on DeepSeek-V3 at M ≥ 4096).
 pub const SM90_LARGE: GemmConfig = GemmConfig {
+    kind: GemmKind::Sm90WsTma,
+    bm: 128,
+    bk: 64,
+    stages: 4,
+    wg_n: 256,
+    split_k: true,
+    raster_gm: 16,
+};
+
+/// The previous [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
+/// both load and multiply, a block barrier per K tile), launch order. Kept as the baseline
+/// experiment "sync".
+pub const SM90_SYNC: GemmConfig = GemmConfig {
     kind: GemmKind::Sm90,
     bm: 128,
     bk: 64,
     stages: 4,
     wg_n: 256,
     split_k: true,
+    raster_gm: 0,
 };
+
+/// Dev-only: `FMOE_DEV_SM90_LARGE=<name>` swaps the kernel that runs routes aligned for
+/// [`SM90_LARGE`] for one of these experiments (read once per process; not a user setting), so
+/// one binary can test and time them all.
+pub const DEV_SM90_LARGE_ENV: &str = "FMOE_DEV_SM90_LARGE";
+
+/// The experiments of [`DEV_SM90_LARGE_ENV`], by name ("default" is [`SM90_LARGE`], the
+/// warp-specialized kernel with TMA weights, formerly "ws_tma").
+pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 5] = [
+    ("default", SM90_LARGE),
+    ("sync", SM90_SYNC),
+    // SM90_SYNC in grouped tile order: resident blocks share weight tiles.
+    (
+        "raster",
+        GemmConfig {
+            raster_gm: 16,
+            ..SM90_SYNC
+        },
+    ),
+    // Warp-specialized with cp.async weights, grouped tile order.
+    (
+        "ws",
+        GemmConfig {
+            kind: GemmKind::Sm90Ws,
+            ..SM90_LARGE
+        },
+    ),
+    (
+        "ws_gm8",
+        GemmConfig {
+            kind: GemmKind::Sm90Ws,
+            raster_gm: 8,
+            ..SM90_LARGE
+        },
+    ),
+];
+
+/// [`SM90_LARGE`], or the experiment [`DEV_SM90_LARGE_ENV`] names (an unknown name is reported
+/// once on stderr and ignored).
+fn sm90_large() -> GemmConfig {
+    static CHOICE: std::sync::OnceLock<GemmConfig> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let Ok(name) = std::env::var(DEV_SM90_LARGE_ENV) else {
+            return SM90_LARGE;
+        };
+        match SM90_LARGE_EXPERIMENTS.iter().find(|(n, _)| *n == name) {
+            Some((_, cfg)) => *cfg,
+            None => {
+                let names: Vec<&str> = SM90_LARGE_EXPERIMENTS.iter().map(|(n, _)| *n).collect();
+                eprintln!(
+                    "fmoe: {DEV_SM90_LARGE_ENV}={name:?} is not one of {names:?}; using the default"
+                );
+                SM90_LARGE
+            }
+        }
+    })
+}
 
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200 sweep, BENCHMARKS.md): at 128
 /// a 128-row tile is full on average, and below it the smaller grid of large tiles loses.
@@ -111,7 +196,8 @@ impl GemmConfig {
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
         [SM90_SMALL, SM90_LARGE, MMA]
             .into_iter()
-            .find(|c| c.bm == block_m && (c.kind == GemmKind::Sm90) == (cc == (9, 0)))
+            .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
+            .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
     }
 }
 
@@ -120,7 +206,7 @@ impl GemmConfig {
     pub const fn b_rows(&self) -> usize {
         match self.kind {
             GemmKind::Mma => 128,
-            GemmKind::Sm90 => self.wg_n,
+            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma => self.wg_n,
         }
     }
     /// Output columns per block: GEMM1 (MODE 1) pairs half its weight rows (gate) with the other
@@ -136,19 +222,23 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
+            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => 384,
         }
     }
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
         (match self.kind {
             GemmKind::Mma => self.stages * (64 + 128) * (self.bk + 8) * 2,
-            GemmKind::Sm90 => self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024,
+            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma => {
+                self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024
+            }
         }) as u32
     }
     fn source(&self) -> (&'static str, &'static str) {
         match self.kind {
             GemmKind::Mma => (GEMM_FAMILY, GEMM_SRC),
             GemmKind::Sm90 => (GEMM_SM90_FAMILY, GEMM_SM90_SRC),
+            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => (GEMM_SM90_WS_FAMILY, GEMM_SM90_WS_SRC),
         }
     }
     fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
@@ -162,6 +252,16 @@ impl GemmConfig {
                 d.push(("WG_N", self.wg_n.to_string()));
                 d.push(("STAGES", self.stages.to_string()));
                 d.push(("BM", self.bm.to_string()));
+                if self.raster_gm > 0 {
+                    d.push(("RASTER_GM", self.raster_gm.to_string()));
+                }
+            }
+            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => {
+                d.push(("STAGES", self.stages.to_string()));
+                d.push(("RASTER_GM", self.raster_gm.to_string()));
+                if self.kind == GemmKind::Sm90WsTma {
+                    d.push(("B_TMA", "1".to_string()));
+                }
             }
         }
         d
@@ -202,6 +302,8 @@ const GEMM_FAMILY: &str = "moe_gemm_bf16";
 const GEMM_SRC: &str = include_str!("../../cuda/moe_gemm_bf16.cu");
 const GEMM_SM90_FAMILY: &str = "moe_gemm_bf16_sm90";
 const GEMM_SM90_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90.cu");
+const GEMM_SM90_WS_FAMILY: &str = "moe_gemm_bf16_sm90_ws";
+const GEMM_SM90_WS_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_ws.cu");
 const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
 pub(super) const GLUE_FAMILY: &str = "moe_unfused";
 pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
@@ -218,7 +320,8 @@ pub(super) const GLUE_ENTRIES: [&str; 5] = [
 /// Every bf16 GEMM variant ([`MMA`], [`SM90_SMALL`], [`SM90_LARGE`], both modes) and the glue.
 pub(super) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
-    for cfg in [MMA, SM90_SMALL, SM90_LARGE] {
+    let experiments = SM90_LARGE_EXPERIMENTS.iter().map(|(_, c)| *c);
+    for cfg in [MMA, SM90_SMALL].into_iter().chain(experiments) {
         let (family, source) = cfg.source();
         for mode in [1, 2] {
             v.push(KernelVariant {
@@ -448,7 +551,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         return Ok(());
     }
     let backend = g.a.backend();
-    if cfg.kind == GemmKind::Sm90 && backend.compute_capability() != (9, 0) {
+    if cfg.kind != GemmKind::Mma && backend.compute_capability() != (9, 0) {
         return Err(unsupported(
             op,
             g.a.device(),
@@ -523,6 +626,14 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         b.arg(&null).arg(out);
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
+    let b_map;
+    if cfg.kind == GemmKind::Sm90WsTma {
+        // All experts' rows; MODE 1 loads the gate and the up half of a tile as two boxes.
+        let rows = g.w.len() / g.kd.max(1);
+        let box_rows = if g.mode == 1 { cfg.wg_n / 2 } else { cfg.wg_n };
+        b_map = weight_tensor_map(op, g.w, rows, g.kd, box_rows)?;
+        b.arg(&b_map);
+    }
     // SAFETY: the arguments match `fmoe_moe_gemm_bf16`'s parameters in order and type (pointers,
     // then four u32), in both sources. The callers checked: `a` is bf16 with kd columns and
     // num_routes (MODE 2) or num_routes / top_k (MODE 1) rows; `w` is bf16 [E, 2·n_out or n_out,
@@ -532,9 +643,65 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // route ids are < num_routes or the pad; MODE 1's h and MODE 2's topk_weights/y32 have the
     // sizes the kernel indexes (y32 zeroed, as split-K adds into it); the unused pointer of each
     // mode is null and never dereferenced; MODE 1 runs with gridDim.z = 1; the dynamic shared
-    // memory is the source's formula for these defines, opted in above 48 KiB.
+    // memory is the source's formula for these defines, opted in above 48 KiB. `Sm90WsTma` takes
+    // one more argument, the weights' tensor map, pushed above.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
+}
+
+/// `CUtensorMap` as a kernel argument (128 bytes, 64-byte aligned, passed by value).
+#[repr(C, align(64))]
+struct TensorMapArg(sys::CUtensorMap);
+
+// SAFETY: plain bytes the driver encoded; the kernel declares the parameter as a 64-byte-aligned
+// 128-byte struct (`TmaDesc`), which this layout matches.
+unsafe impl DeviceRepr for TensorMapArg {}
+
+/// The tensor map of the `Sm90WsTma` kernel's weight operand: `w` bf16 viewed as
+/// [rows, kd] (all experts stacked), boxes of 64 × `box_rows`, 128-byte swizzle, zero fill out of
+/// bounds.
+fn weight_tensor_map(
+    op: &'static str,
+    w: &CudaStorage,
+    rows: usize,
+    kd: usize,
+    box_rows: usize,
+) -> Result<TensorMapArg> {
+    let stream = w.backend().stream().clone();
+    let (ptr, _record) = DevicePtr::device_ptr(w.buffer(), &stream);
+    let dims: [u64; 2] = [kd as u64, rows as u64];
+    let strides: [u64; 1] = [(kd * 2) as u64];
+    let boxes: [u32; 2] = [64, box_rows as u32];
+    let elem: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer refers to a live local array of the rank the call is given (2; one
+    // stride for rank 2); `ptr` is the weights' device address (256-byte aligned), kd · 2 a
+    // multiple of 16 (K_MULTIPLE), the box within the limits (≤ 256 per side, 128 bytes inner
+    // for the 128-byte swizzle).
+    let rc = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::invalid(
+            op,
+            format!("cuTensorMapEncodeTiled for the weights [{rows}, {kd}] failed: {rc:?}"),
+        ));
+    }
+    // SAFETY: initialized by the successful call above.
+    Ok(TensorMapArg(unsafe { map.assume_init() }))
 }
 
 fn bf16_operands<'a>(
@@ -750,6 +917,7 @@ mod tests {
             stages: 3,
             wg_n: 256,
             split_k: true,
+            raster_gm: 0,
         };
         assert_eq!(
             (mma.n_tile(1), mma.n_tile(2), mma.threads()),
@@ -771,6 +939,7 @@ mod tests {
             wg_n: 128,
             bk: 64,
             split_k: true,
+            raster_gm: 0,
         };
         assert_eq!(
             (sm90.n_tile(1), sm90.n_tile(2), sm90.threads()),
@@ -835,6 +1004,14 @@ mod select_tests {
         // Shared memory stays within the 227 KiB a Hopper block may opt into.
         for cfg in [SM90_SMALL, SM90_LARGE, MMA] {
             assert!(cfg.smem_bytes() <= 227 * 1024, "{cfg:?}");
+        }
+        // The dev experiments replace SM90_LARGE: same M tile, within the limit (static shared
+        // memory of the warp-specialized kernel included), distinct names, "default" first.
+        assert_eq!(SM90_LARGE_EXPERIMENTS[0], ("default", SM90_LARGE));
+        for (i, (name, cfg)) in SM90_LARGE_EXPERIMENTS.iter().enumerate() {
+            assert_eq!(cfg.bm, SM90_LARGE.bm, "{name}");
+            assert!(cfg.smem_bytes() + 2048 <= 227 * 1024, "{name}");
+            assert!(SM90_LARGE_EXPERIMENTS[..i].iter().all(|(n, _)| n != name));
         }
     }
 }
