@@ -107,18 +107,11 @@ fn load_moe(
         shared_intermediate: None,
     };
     let scheme = resolve_scheme(quant, moe.scheme)?;
-    let act_scales =
-        load_expert_act_scales(&vb.pp("experts"), ExpertNames::MIXTRAL, e, quant)?;
-    Ok(FusedMoe::new(
-        config,
-        scheme,
-        experts,
-        None,
-        None,
-        &moe.switches,
-        device,
-    )?
-    .with_act_scales(act_scales)?)
+    let act_scales = load_expert_act_scales(&vb.pp("experts"), ExpertNames::MIXTRAL, e, quant)?;
+    Ok(
+        FusedMoe::new(config, scheme, experts, None, None, &moe.switches, device)?
+            .with_act_scales(act_scales)?,
+    )
 }
 
 fn attention_spec(cfg: &Config) -> AttentionSpec {

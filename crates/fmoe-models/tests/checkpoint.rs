@@ -279,7 +279,10 @@ fn static_fp8_checkpoints_load_and_stay_within_the_fp8_bound() {
         c["quantization_config"] = common::fp8_quantization_config(false)
     });
     let d = logits(load_with(dynamic.path(), None).unwrap().as_ref());
-    assert!(common::rel_l2(&got, &d) > 1e-4, "static logits equal dynamic ones");
+    assert!(
+        common::rel_l2(&got, &d) > 1e-4,
+        "static logits equal dynamic ones"
+    );
     // A scale far too small saturates the activations: the logits leave the bound.
     let tiny = FIXTURE.model_dir(&static_fp8_tensors(1e-5), static_config);
     let sat = logits(load_with(tiny.path(), None).unwrap().as_ref());

@@ -81,7 +81,8 @@ pub(super) fn expert_loop(
 
     // Pass 2: quantize the intermediate as the method says, then back to values.
     let h = Tensor::from_vec(h, [m * top_k, n], &Device::Cpu)?;
-    let h = ActRows::from_operand(&ActOperand::quantize_scaled(&h, a2_quant, a2_scale)?, OP)?.dequantized();
+    let h = ActRows::from_operand(&ActOperand::quantize_scaled(&h, a2_quant, a2_scale)?, OP)?
+        .dequantized();
 
     // Pass 3: GEMM2 and the weighted scatter-add.
     let mut y = vec![0.0f32; m * k];

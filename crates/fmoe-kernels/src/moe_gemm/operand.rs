@@ -105,7 +105,9 @@ impl ActOperand {
             }
             (ActScale::Static(_), other) => Err(Error::invalid(
                 "ActOperand::quantize",
-                format!("a static activation scale needs fp8 per-tensor quantization, not {other:?}"),
+                format!(
+                    "a static activation scale needs fp8 per-tensor quantization, not {other:?}"
+                ),
             )),
         }
     }
