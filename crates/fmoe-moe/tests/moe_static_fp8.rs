@@ -19,6 +19,7 @@ use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, F8E4M3, Tensor};
 use fmoe_kernels::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
+use fmoe_kernels::nvrtc::trace_launches;
 use fmoe_kernels::routing::{TopK, topk_softmax};
 use fmoe_moe::reference::{moe_f64, rel_err};
 use fmoe_moe::stages::ExpertOperands;
@@ -61,8 +62,8 @@ const CASES: &[Case] = &[
     case(300, 8, 528, 336, 2),
 ];
 
-/// ≥ 128 routes per expert: the large per-tensor CUDA tiles.
-const LARGE: Case = case(2048, 8, 1040, 1008, 2);
+/// 256 routes per expert (≥ 128): the large per-tensor CUDA tiles.
+const LARGE: Case = case(1024, 8, 528, 336, 2);
 
 struct Inputs {
     x: Tensor,
@@ -410,4 +411,54 @@ fn cuda_small_a13_saturates_like_the_cpu() {
     let saturated = on_gpu.iter().filter(|&&c| c & 0x7F == 0x7E).count();
     println!("a1 saturated: {saturated} of {}", on_gpu.len());
     assert!(saturated > on_gpu.len() / 100, "{saturated}");
+}
+
+/// With static scales no amax is computed on CUDA: a1 and h are cast by the static kernel (two
+/// launches of it per forward, fused or portable), and the dynamic amax/cast kernels never run.
+#[test]
+fn cuda_static_forward_launches_no_amax() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let c = CASES[1];
+    let inp = inputs(&c, 3);
+    let x = inp.x.to_device(CUDA).unwrap();
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+    let scales = ActScales::Static {
+        a13: 0.01,
+        a2: 0.02,
+    };
+    for family in KernelFamily::ALL {
+        let l = layer(&c, &inp, family, scales, CUDA);
+        let (r, trace) = trace_launches(|| l.forward_routed_deferred(&x, &topk));
+        r.unwrap().1.check().unwrap();
+        // `family/entry`, defines stripped.
+        let count = |name: &str| {
+            trace
+                .iter()
+                .filter(|t| t.split('[').next() == Some(name))
+                .count()
+        };
+        let q = "quant_fp8/";
+        assert_eq!(
+            count(&format!("{q}fmoe_fp8_quant_tensor_static")),
+            2,
+            "{family}: {trace:?}"
+        );
+        assert_eq!(
+            count(&format!("{q}fmoe_fp8_amax")),
+            0,
+            "{family}: {trace:?}"
+        );
+        assert_eq!(
+            count(&format!("{q}fmoe_fp8_quant_tensor")),
+            0,
+            "{family}: {trace:?}"
+        );
+        assert_eq!(
+            count("moe_gemm_fp8_sm90/fmoe_moe_gemm_fp8"),
+            2,
+            "{family}: {trace:?}"
+        );
+    }
 }
