@@ -14,6 +14,9 @@
 //                          of 32 up to 1024).
 //   fmoe_fp8_quant_tensor  q = sat_rne(x / s), s = max(amax, 1e-10) / 448 from *amax_bits; writes
 //                          s to scale_out[0]; flags a non-finite amax. Block 256, grid-stride.
+//   fmoe_fp8_quant_tensor_static  q = sat_rne(x / s) with a given scale *scale (a static
+//                          checkpoint's input_scale): the cast of fmoe_fp8_quant_tensor without the
+//                          amax; flags any non-finite element. Block 256, grid-stride.
 //   fmoe_fp8_quant_group   per-token-group 1 x 128 along the last dim: x [rows, k] ->
 //                          q [rows, k], scales f32 [rows, ceil(k / 128)]; one warp per group
 //                          (a ragged last group uses the amax of its own columns). Block 256
@@ -114,6 +117,39 @@ extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, uns
     }
     for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
         q[i] = (unsigned char)(e4m3x2(__fdiv_rn(to_f32(x[i]), s), 0.0f) & 0xFF);
+}
+
+extern "C" __global__ void fmoe_fp8_quant_tensor_static(const in_t* __restrict__ x, unsigned long long n,
+                                                        const float* __restrict__ scale,
+                                                        unsigned char* __restrict__ q,
+                                                        unsigned int* __restrict__ error_flag) {
+    const float s = *scale;
+    // No amax to carry a NaN/Inf: each thread checks what it reads (the CPU twin's error).
+    unsigned int bad = 0;
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long nv = n / VEC;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+        float v[VEC];
+        load_vec(x + i * VEC, v);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) bad |= abs_bits(v[j]) >= NONFINITE_BITS;
+        unsigned int w[VEC / 4];
+#pragma unroll
+        for (int j = 0; j < VEC / 4; ++j)
+            w[j] = (unsigned int)e4m3x2(__fdiv_rn(v[4 * j], s), __fdiv_rn(v[4 * j + 1], s)) |
+                   ((unsigned int)e4m3x2(__fdiv_rn(v[4 * j + 2], s), __fdiv_rn(v[4 * j + 3], s)) << 16);
+#if VEC == 8
+        *reinterpret_cast<uint2*>(q + i * VEC) = make_uint2(w[0], w[1]);
+#else
+        *reinterpret_cast<unsigned int*>(q + i * VEC) = w[0];
+#endif
+    }
+    for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float v = to_f32(x[i]);
+        bad |= abs_bits(v) >= NONFINITE_BITS;
+        q[i] = (unsigned char)(e4m3x2(__fdiv_rn(v, s), 0.0f) & 0xFF);
+    }
+    if (bad) atomicExch(error_flag, 1u);
 }
 
 extern "C" __global__ void fmoe_fp8_quant_group(const in_t* __restrict__ x, unsigned int rows, unsigned int k,

@@ -13,7 +13,8 @@ use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, WeightOperand};
 use fmoe_kernels::quant_fp8::{
     FP8_BLOCK, FP8_GROUP, quantize_block, quantize_per_tensor, quantize_per_tensor_deferred,
-    quantize_per_token_group, quantize_per_token_group_deferred, quantize_with_scale,
+    quantize_per_token_group, quantize_per_token_group_deferred, quantize_static_deferred,
+    quantize_with_scale,
 };
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -179,6 +180,74 @@ fn non_finite_input_is_reported_like_the_cpu_twin() {
             .unwrap_err()
             .to_string();
         assert_eq!(gpu, cpu);
+    }
+}
+
+/// The static scale kernel (`fmoe_fp8_quant_tensor_static`) against the CPU twin, code for code:
+/// bf16 and f32 input, ragged lengths, a scale that fits (amax / 448), one 16× too small (about
+/// half the elements saturate to ±448) and one 2⁸× too large (subnormal codes and zeros).
+#[test]
+fn static_scale_quantization_is_bit_exact_with_the_cpu_twin() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    for (rows, cols) in [(1, 1), (3, 37), (64, 300), (257, 1024)] {
+        for dtype in [DType::BF16, DType::F32] {
+            let x = data(rows, cols, dtype, 11 + rows as u64);
+            let amax = x
+                .to_f32_vec()
+                .unwrap()
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()));
+            let fit = amax.max(1e-6) / 448.0;
+            for s in [fit, fit / 16.0, fit * 256.0] {
+                let sc = Tensor::from_vec(vec![s], [1], &CPU).unwrap();
+                let (want, _) = quantize_static_deferred(&x, &sc).unwrap();
+                // The public static CPU function gives the same codes.
+                assert_eq!(codes(&want), codes(&quantize_with_scale(&x, s).unwrap()));
+                let (got, check) = quantize_static_deferred(
+                    &x.to_device(CUDA).unwrap(),
+                    &sc.to_device(CUDA).unwrap(),
+                )
+                .unwrap();
+                check.check().unwrap();
+                let (w, g) = (codes(&want), codes(&got));
+                let what = format!("[{rows}, {cols}] {dtype} scale {s:e}");
+                assert_eq!(mismatches(&w, &g), 0, "{what}");
+                let saturated = g.iter().filter(|&&c| c & 0x7F == 0x7E).count();
+                if s < fit && rows * cols > 100 {
+                    assert!(
+                        saturated > rows * cols / 10,
+                        "{what}: {saturated} saturated"
+                    );
+                }
+            }
+        }
+    }
+    let x = data(4, 64, DType::BF16, 1).to_device(CUDA).unwrap();
+    let on_cpu = Tensor::from_vec(vec![1f32], [1], &CPU).unwrap();
+    let err = quantize_static_deferred(&x, &on_cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("scale") && err.contains("cpu"), "{err}");
+}
+
+#[test]
+fn non_finite_input_to_a_static_scale_is_reported_like_the_cpu_twin() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        let mut v = data(64, 300, DType::F32, 7).to_f32_vec().unwrap();
+        v[5 * 300 + 77] = bad;
+        let x = Tensor::from_f32(&v, [64, 300], DType::BF16, &CPU).unwrap();
+        let sc = Tensor::from_vec(vec![0.5f32], [1], &CPU).unwrap();
+        let cpu = quantize_static_deferred(&x, &sc).unwrap_err().to_string();
+        assert!(cpu.contains("1577"), "{cpu}");
+        let (_, check) =
+            quantize_static_deferred(&x.to_device(CUDA).unwrap(), &sc.to_device(CUDA).unwrap())
+                .unwrap();
+        assert_eq!(check.check().unwrap_err().to_string(), cpu);
     }
 }
 

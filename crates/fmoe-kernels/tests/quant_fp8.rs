@@ -9,8 +9,8 @@ use fmoe_core::{DType, Device, F8E4M3, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::quant_fp8::{
     FP8_BLOCK, FP8_GROUP, dequantize_block, dequantize_per_tensor, dequantize_per_token_group,
-    quantize_block, quantize_per_tensor, quantize_per_token_group, quantize_with_scale,
-    scale_from_amax,
+    quantize_block, quantize_per_tensor, quantize_per_token_group, quantize_static_deferred,
+    quantize_with_scale, scale_from_amax,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -654,4 +654,38 @@ fn bad_group_block_and_rank_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("`q`") && msg.contains("rank"), "{msg}");
+}
+
+/// The static scale as a tensor: exact codes (x / s, nearest even, saturation at ±448 where x
+/// exceeds 448 · s), the same as `quantize_with_scale`; non-finite input and bad scales are
+/// errors naming them.
+#[test]
+fn static_scale_tensor_quantizes_with_saturation() {
+    let s = 0.5f32;
+    // 1.0 → 2 exactly; 224 → 448; 300 (600 > 448) and 1e6 saturate; 1.0625 / 0.5 = 2.125 lies
+    // halfway between codes 2.0 and 2.25 → the even mantissa (2.0); negatives mirror.
+    let x = t32(&[1.0, 224.0, 300.0, 1e6, 1.0625, -300.0, 0.0], &[7]);
+    let sc = t32(&[s], &[1]);
+    let (q, check) = quantize_static_deferred(&x, &sc).unwrap();
+    assert!(!check.is_pending());
+    let got: Vec<f32> = codes(&q)
+        .iter()
+        .map(|&c| F8E4M3::from_bits(c).to_f32())
+        .collect();
+    assert_eq!(got, [2.0, 448.0, 448.0, 448.0, 2.0, -448.0, 0.0]);
+    assert_eq!(codes(&q), codes(&quantize_with_scale(&x, s).unwrap()));
+    let err = quantize_static_deferred(&t32(&[1.0, f32::NAN], &[2]), &sc)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("NaN") && err.contains("1"), "{err}");
+    for bad in [0.0, -1.0, f32::INFINITY] {
+        let err = quantize_static_deferred(&x, &t32(&[bad], &[1]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("scale"), "{err}");
+    }
+    let err = quantize_static_deferred(&x, &t32(&[s, s], &[2]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("scale") && err.contains("[2]"), "{err}");
 }

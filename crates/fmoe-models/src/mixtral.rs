@@ -29,7 +29,7 @@ use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::device::{self, DeviceCtx};
-use crate::layers::moe::{MoeOptions, load_experts, resolve_scheme};
+use crate::layers::moe::{MoeOptions, load_expert_act_scales, load_experts, resolve_scheme};
 use crate::layers::{
     Attention, AttentionSpec, ExpertNames, Linear, LmEnds, MoeBlock, RmsNorm, RopeStyle, Rotary,
     add_in_place,
@@ -107,15 +107,11 @@ fn load_moe(
         shared_intermediate: None,
     };
     let scheme = resolve_scheme(quant, moe.scheme)?;
-    Ok(FusedMoe::new(
-        config,
-        scheme,
-        experts,
-        None,
-        None,
-        &moe.switches,
-        device,
-    )?)
+    let act_scales = load_expert_act_scales(&vb.pp("experts"), ExpertNames::MIXTRAL, e, quant)?;
+    Ok(
+        FusedMoe::new(config, scheme, experts, None, None, &moe.switches, device)?
+            .with_act_scales(act_scales)?,
+    )
 }
 
 fn attention_spec(cfg: &Config) -> AttentionSpec {

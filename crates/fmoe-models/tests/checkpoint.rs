@@ -230,6 +230,86 @@ fn fp8_checkpoints_load_and_stay_within_the_fp8_bound() {
     }
 }
 
+/// The fixture as a static per-tensor fp8 checkpoint (Mixtral-8x7B-Instruct-FP8's layout): every
+/// quantized linear gets an `input_scale` of `base · (1 + j/8)` (j: the expert, 0 for attention),
+/// so experts' scales differ and the layer takes their max.
+fn static_fp8_tensors(base: f32) -> Tensors {
+    let mut t = common::quantize_fp8(FIXTURE.tensors(), false, |name, _| {
+        name.ends_with("_proj.weight") || name.contains(".experts.")
+    });
+    let names: Vec<String> = t
+        .keys()
+        .filter(|n| n.ends_with(".weight_scale"))
+        .cloned()
+        .collect();
+    for n in names {
+        let j = n
+            .split(".experts.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|j| j.parse::<u32>().ok())
+            .unwrap_or(0);
+        let s = base * (1.0 + j as f32 / 8.0);
+        let s = Tensor::from_vec(vec![s], Vec::<usize>::new(), &Device::Cpu).unwrap();
+        t.insert(
+            n.replace(".weight_scale", ".input_scale"),
+            Raw::from_tensor(&s),
+        );
+    }
+    t
+}
+
+fn static_config(c: &mut serde_json::Value) {
+    c["quantization_config"] =
+        serde_json::json!({"quant_method": "fp8", "activation_scheme": "static"});
+}
+
+#[test]
+fn static_fp8_checkpoints_load_and_stay_within_the_fp8_bound() {
+    // The MoE inputs of the fixture (post-norm hidden states) stay below ~4 and the SiLU⊙mul
+    // intermediates far below: scales for |x| up to 448 · 0.01 = 4.48.
+    let want = expected_logits();
+    let t = static_fp8_tensors(0.01);
+    let dir = FIXTURE.model_dir(&t, static_config);
+    let model = load_with(dir.path(), None).unwrap();
+    let got = logits(model.as_ref());
+    common::assert_within_fp8_bound(&got, &want, false);
+    // The static scales are used: the dynamic checkpoint of the same weights differs.
+    let dynamic = FIXTURE.model_dir(&t, |c| {
+        c["quantization_config"] = common::fp8_quantization_config(false)
+    });
+    let d = logits(load_with(dynamic.path(), None).unwrap().as_ref());
+    assert!(
+        common::rel_l2(&got, &d) > 1e-4,
+        "static logits equal dynamic ones"
+    );
+    // A scale far too small saturates the activations: the logits leave the bound.
+    let tiny = FIXTURE.model_dir(&static_fp8_tensors(1e-5), static_config);
+    let sat = logits(load_with(tiny.path(), None).unwrap().as_ref());
+    assert!(common::rel_l2(&sat, &want) > 0.27, "no saturation");
+    common::assert_not_served_unquantized(dir.path());
+}
+
+#[test]
+fn static_fp8_checkpoint_errors_name_the_problem() {
+    let name = "model.layers.1.block_sparse_moe.experts.3.w2.input_scale";
+    let mut t = static_fp8_tensors(0.01);
+    t.remove(name);
+    let dir = FIXTURE.model_dir(&t, static_config);
+    let e = load_err(dir.path());
+    assert!(e.contains(name), "{e}");
+    // Block-scaled checkpoints have no static scheme.
+    let t = common::quantize_fp8(FIXTURE.tensors(), true, |name, _| {
+        name.ends_with("_proj.weight") || name.contains(".experts.")
+    });
+    let dir = FIXTURE.model_dir(&t, |c| {
+        c["quantization_config"] = serde_json::json!({"quant_method": "fp8",
+            "activation_scheme": "static", "weight_block_size": [128, 128]})
+    });
+    let e = load_err(dir.path());
+    assert!(e.contains("static") && e.contains("per-tensor"), "{e}");
+}
+
 #[test]
 fn dummy_weights_run_and_depend_only_on_the_seed() {
     let run = |seed| {

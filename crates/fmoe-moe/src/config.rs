@@ -76,6 +76,59 @@ impl MoeConfig {
     }
 }
 
+/// Where the fp8 per-tensor activation scales of a layer come from (vLLM's `activation_scheme`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum ActScales {
+    /// Computed from each batch's amax (a1 before GEMM1, h before GEMM2).
+    #[default]
+    Dynamic,
+    /// Fixed by a static checkpoint: `a13` scales the layer input for GEMM1 (the max over experts
+    /// of the w1/w3 `input_scale`s), `a2` the SiLU⊙mul intermediate for GEMM2 (the max of the w2
+    /// `input_scale`s). Values beyond 448 · scale saturate to ±448.
+    Static { a13: f32, a2: f32 },
+}
+
+impl ActScales {
+    /// The static scales of per-expert `input_scale`s (w1/w3 ones in `a13`, w2 ones in `a2`):
+    /// their maxima, as vLLM's fp8 MoE takes them (one scale per GEMM serves every expert). Where
+    /// experts' scales differ the max is a requantization choice, logged once per process. Scales
+    /// must be finite and positive.
+    pub fn from_expert_input_scales(a13: &[f32], a2: &[f32]) -> Result<ActScales> {
+        let max = |name: &str, s: &[f32]| -> Result<f32> {
+            if let Some((i, v)) = s
+                .iter()
+                .enumerate()
+                .find(|(_, v)| !(v.is_finite() && **v > 0.0))
+            {
+                return Err(Error::Config(format!(
+                    "{name} input_scale #{i} is {v}; static activation scales must be finite and positive"
+                )));
+            }
+            s.iter()
+                .copied()
+                .reduce(f32::max)
+                .ok_or_else(|| Error::Config(format!("no {name} input_scale given")))
+        };
+        let (m13, m2) = (max("w1/w3", a13)?, max("w2", a2)?);
+        let differ = |s: &[f32], m: f32| s.iter().any(|&v| v != m);
+        if differ(a13, m13) || differ(a2, m2) {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                let min = |s: &[f32]| s.iter().copied().fold(f32::INFINITY, f32::min);
+                tracing::info!(
+                    a13_min = min(a13),
+                    a13_max = m13,
+                    a2_min = min(a2),
+                    a2_max = m2,
+                    "experts' static input_scales differ: each GEMM uses their max (activations of \
+                     experts with a smaller scale are quantized more coarsely than calibrated)"
+                );
+            });
+        }
+        Ok(ActScales::Static { a13: m13, a2: m2 })
+    }
+}
+
 /// How the expert weights are stored; each value is one MoE method configuration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum QuantScheme {

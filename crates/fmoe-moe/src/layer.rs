@@ -6,7 +6,7 @@ use fmoe_kernels::routing::TopK;
 
 use crate::dispatch::{self, KernelChoice};
 use crate::method::{self, CheckpointExperts, MoeMethod};
-use crate::{Error, MoeConfig, QuantScheme, Result, router};
+use crate::{ActScales, Error, MoeConfig, QuantScheme, Result, router};
 
 const OP: &str = "FusedMoe::forward";
 
@@ -93,6 +93,20 @@ impl FusedMoe {
             shared,
             bias,
         })
+    }
+
+    /// The layer with static activation scales for its routed experts (a static fp8 checkpoint's
+    /// `input_scale`s, see [`ActScales::from_expert_input_scales`]); `Dynamic` restores the
+    /// default. Only the fp8 per-tensor method takes static scales, and a layer with a shared
+    /// expert does not (its inputs would need scales of their own).
+    pub fn with_act_scales(mut self, scales: ActScales) -> Result<FusedMoe> {
+        if self.shared.is_some() && scales != ActScales::Dynamic {
+            return Err(Error::Config(
+                "static activation scales are not supported with a shared expert".into(),
+            ));
+        }
+        self.method.set_act_scales(scales)?;
+        Ok(self)
     }
 
     pub fn config(&self) -> &MoeConfig {

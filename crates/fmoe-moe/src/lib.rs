@@ -24,7 +24,7 @@ pub mod reference;
 pub mod router;
 pub mod stages;
 
-pub use config::{MoeConfig, QuantScheme, Routing};
+pub use config::{ActScales, MoeConfig, QuantScheme, Routing};
 pub use dispatch::{KernelChoice, KernelFamily};
 pub use error::{Error, Result};
 pub use layer::{FusedMoe, SharedExpert};

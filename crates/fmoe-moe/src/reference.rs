@@ -5,7 +5,7 @@
 //! [`ExpertOperands::unquantized`] weights measures fp8 as a whole.
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_kernels::moe_gemm::{ActOperand, ActQuant, QBLOCK, WeightOperand};
+use fmoe_kernels::moe_gemm::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 use fmoe_kernels::routing::TopK;
 use rayon::prelude::*;
 
@@ -19,6 +19,8 @@ impl ExpertOperands {
             w13: WeightOperand::Plain(w13.clone()),
             w2: WeightOperand::Plain(w2.clone()),
             act_quant: ActQuant::None,
+            a13_scale: ActScale::Dynamic,
+            a2_scale: ActScale::Dynamic,
         }
     }
 }
@@ -95,7 +97,10 @@ pub fn moe_f64_h_rounded(
     let weights = topk.weights.to_f32_vec()?;
     let top_k = topk.ids.dims()[1];
     let (e_count, n) = (ops.w13.data().dims()[0], ops.w2.data().dims()[2]);
-    let a1 = act_values(&ActOperand::quantize(x, ops.act_quant)?)?;
+    // Static scales where each quantization runs (a1 on x's device, h on the CPU).
+    let a13_scale = ops.a13_scale.to_device(x.device())?;
+    let a2_scale = ops.a2_scale.to_device(Device::Cpu)?;
+    let a1 = act_values(&ActOperand::quantize_scaled(x, ops.act_quant, &a13_scale)?)?;
     let silu = |v: f64| v / (1.0 + (-v).exp());
 
     let mut h = vec![0f64; m * top_k * n];
@@ -128,7 +133,7 @@ pub fn moe_f64_h_rounded(
             let h32: Vec<f32> = h.iter().map(|&v| v as f32).collect();
             let dtype = h_dtype.unwrap_or(DType::F32);
             let t = Tensor::from_f32(&h32, [m * top_k, n], dtype, &Device::Cpu)?;
-            act_values(&ActOperand::quantize(&t, q)?)?
+            act_values(&ActOperand::quantize_scaled(&t, q, &a2_scale)?)?
         }
     };
 

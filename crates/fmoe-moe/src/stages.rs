@@ -10,7 +10,7 @@
 use fmoe_core::{Device, Tensor};
 use fmoe_kernels::elementwise;
 use fmoe_kernels::moe_align::align_routes;
-use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, WeightOperand};
+use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, ActScale, WeightOperand};
 use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 
@@ -26,6 +26,10 @@ pub struct ExpertOperands {
     pub w13: WeightOperand,
     pub w2: WeightOperand,
     pub act_quant: ActQuant,
+    /// Scale of a1 (GEMM1's input) and of h (GEMM2's input): dynamic, or static tensors on the
+    /// weights' device (fp8 per-tensor only).
+    pub a13_scale: ActScale,
+    pub a2_scale: ActScale,
 }
 
 impl ExpertOperands {
@@ -36,6 +40,8 @@ impl ExpertOperands {
             w13: self.w13.to_device(device)?,
             w2: self.w2.to_device(device)?,
             act_quant: self.act_quant,
+            a13_scale: self.a13_scale.to_device(device)?,
+            a2_scale: self.a2_scale.to_device(device)?,
         })
     }
 }
@@ -64,7 +70,7 @@ pub fn run_experts_deferred(
     let num_experts = ops.w13.data().dims().first().copied().unwrap_or(0);
     moe_gemm::check_device_support(device, ops.act_quant, &ops.w13, &ops.w2)?;
     // Prepare: quantize a1 (same function on both paths).
-    let (a1, mut check) = ActOperand::quantize_deferred(x, ops.act_quant)?;
+    let (a1, mut check) = ActOperand::quantize_scaled_deferred(x, ops.act_quant, &ops.a13_scale)?;
     let y = match family {
         KernelFamily::Fused => {
             let block_m = moe_gemm::block_m_for(
@@ -77,20 +83,27 @@ pub fn run_experts_deferred(
             let routes = align_routes(&topk.ids, num_experts, block_m)?;
             let top_k = topk.ids.dims().get(1).copied().unwrap_or(1);
             // Experts: GEMM1 with SiLU⊙mul and the quantization of h (a2) for GEMM2.
-            let (a2, c2) =
-                moe_gemm::gemm1_silu_mul_quant(&a1, &routes, top_k, &ops.w13, ops.act_quant)?;
+            let (a2, c2) = moe_gemm::gemm1_silu_mul_quant_scaled(
+                &a1,
+                &routes,
+                top_k,
+                &ops.w13,
+                ops.act_quant,
+                &ops.a2_scale,
+            )?;
             check.merge(c2);
             // Finalize (routing weights, top-k sum) is fused into GEMM2.
             moe_gemm::gemm2_weighted_sum(&a2, &routes, &topk.weights, &ops.w2)?
         }
         KernelFamily::Portable => {
-            let (y, c) = moe_gemm::portable_expert_loop_deferred(
+            let (y, c) = moe_gemm::portable_expert_loop_scaled_deferred(
                 &a1,
                 &topk.ids,
                 &topk.weights,
                 &ops.w13,
                 &ops.w2,
                 ops.act_quant,
+                &ops.a2_scale,
             )?;
             check.merge(c);
             y

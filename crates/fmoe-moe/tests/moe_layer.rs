@@ -414,6 +414,8 @@ fn deepseek_style_layer_with_shared_expert() {
                     scale_inv: si2,
                 },
                 act_quant: fmoe_kernels::moe_gemm::ActQuant::Fp8Group,
+                a13_scale: Default::default(),
+                a2_scale: Default::default(),
             }
         };
         let shared = moe_f64(&x, &all, &shared_ops).unwrap();

@@ -5,7 +5,7 @@
 use fmoe_core::{Device, Tensor};
 
 use super::cpu::{ActRows, WeightRows, WeightScale, silu};
-use super::operand::{ActOperand, ActQuant, QBLOCK, WeightOperand};
+use super::operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 use super::simd::dot;
 use crate::Result;
 
@@ -37,6 +37,7 @@ pub(super) fn expert_loop(
     w13: &WeightOperand,
     w2: &WeightOperand,
     a2_quant: ActQuant,
+    a2_scale: &ActScale,
 ) -> Result<Tensor> {
     let x = ActRows::from_operand(a1, OP)?;
     let x_values = x.dequantized();
@@ -80,7 +81,8 @@ pub(super) fn expert_loop(
 
     // Pass 2: quantize the intermediate as the method says, then back to values.
     let h = Tensor::from_vec(h, [m * top_k, n], &Device::Cpu)?;
-    let h = ActRows::from_operand(&ActOperand::quantize(&h, a2_quant)?, OP)?.dequantized();
+    let h = ActRows::from_operand(&ActOperand::quantize_scaled(&h, a2_quant, a2_scale)?, OP)?
+        .dequantized();
 
     // Pass 3: GEMM2 and the weighted scatter-add.
     let mut y = vec![0.0f32; m * k];

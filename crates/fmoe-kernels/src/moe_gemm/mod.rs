@@ -42,7 +42,7 @@ pub use cuda_fp8::{
     FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL,
     Fp8GemmConfig, Fp8Scheme,
 };
-pub use operand::{ActOperand, ActQuant, QBLOCK, WeightOperand};
+pub use operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 
 /// Every CUDA grouped GEMM and glue kernel variant (see [`crate::catalog`]).
 pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
@@ -174,7 +174,23 @@ pub fn gemm1_silu_mul_quant(
     w13: &WeightOperand,
     a2_quant: ActQuant,
 ) -> Result<(ActOperand, FiniteCheck)> {
+    gemm1_silu_mul_quant_scaled(a, routes, top_k, w13, a2_quant, &ActScale::Dynamic)
+}
+
+/// [`gemm1_silu_mul_quant`] with h's per-tensor scale given by `a2_scale`. A static scale (fp8
+/// per-tensor only) replaces the amax → scale step: on the CPU f32 h is quantized with it; on
+/// CUDA GEMM1 writes bf16 h without the amax atomics and one cast pass quantizes it with the
+/// device scale.
+pub fn gemm1_silu_mul_quant_scaled(
+    a: &ActOperand,
+    routes: &AlignedRoutes,
+    top_k: usize,
+    w13: &WeightOperand,
+    a2_quant: ActQuant,
+    a2_scale: &ActScale,
+) -> Result<(ActOperand, FiniteCheck)> {
     const OP: &str = "moe_gemm::gemm1_silu_mul_quant";
+    check_static(OP, a2_quant, a2_scale)?;
     let (e, two_n, k) = w13.dims(OP, "w13")?;
     if two_n % 2 != 0 {
         return Err(Error::invalid(
@@ -186,7 +202,7 @@ pub fn gemm1_silu_mul_quant(
     check_routes(OP, routes, rows * top_k, e)?;
     match a.storage() {
         Storage::Cuda(_) if a2_quant != ActQuant::None || cuda_fp8::is_fp8_weight(w13) => {
-            cuda_fp8::gemm1_quant(OP, a, routes, top_k, w13, a2_quant)
+            cuda_fp8::gemm1_quant(OP, a, routes, top_k, w13, a2_quant, a2_scale)
         }
         Storage::Cuda(_) => Ok((
             ActOperand::Plain(cuda::gemm1_silu_mul(OP, a, routes, top_k, w13)?),
@@ -194,7 +210,7 @@ pub fn gemm1_silu_mul_quant(
         )),
         Storage::Cpu(_) => {
             let h = cpu::gemm1_silu_mul(a, routes, top_k, w13)?;
-            ActOperand::quantize_deferred(&h, a2_quant)
+            ActOperand::quantize_scaled_deferred(&h, a2_quant, a2_scale)
         }
     }
 }
@@ -267,7 +283,31 @@ pub fn portable_expert_loop_deferred(
     w2: &WeightOperand,
     a2_quant: ActQuant,
 ) -> Result<(Tensor, FiniteCheck)> {
+    portable_expert_loop_scaled_deferred(
+        a1,
+        topk_ids,
+        topk_weights,
+        w13,
+        w2,
+        a2_quant,
+        &ActScale::Dynamic,
+    )
+}
+
+/// [`portable_expert_loop_deferred`] with the intermediate's per-tensor scale given by
+/// `a2_scale` (a static scale: fp8 per-tensor only; the intermediate is quantized with it
+/// instead of its amax, as on the fused path).
+pub fn portable_expert_loop_scaled_deferred(
+    a1: &ActOperand,
+    topk_ids: &Tensor,
+    topk_weights: &Tensor,
+    w13: &WeightOperand,
+    w2: &WeightOperand,
+    a2_quant: ActQuant,
+    a2_scale: &ActScale,
+) -> Result<(Tensor, FiniteCheck)> {
     const OP: &str = "moe_gemm::portable_expert_loop";
+    check_static(OP, a2_quant, a2_scale)?;
     let (e, two_n, k) = w13.dims(OP, "w13")?;
     let (e2, k2, n) = w2.dims(OP, "w2")?;
     if e2 != e || k2 != k || two_n != 2 * n {
@@ -293,7 +333,15 @@ pub fn portable_expert_loop_deferred(
         Storage::Cuda(s) => {
             cuda::check_support(OP, s.device(), a2_quant, w13, w2)?;
             if cuda_fp8::is_fp8_act(a1) || cuda_fp8::is_fp8_weight(w13) {
-                cuda_fp8::portable(OP, a1, topk_ids, topk_weights, w13, w2, a2_quant)
+                cuda_fp8::portable(
+                    OP,
+                    a1,
+                    topk_ids,
+                    topk_weights,
+                    w13,
+                    w2,
+                    (a2_quant, a2_scale),
+                )
             } else {
                 Ok((
                     cuda::portable(OP, a1, topk_ids, topk_weights, w13, w2)?,
@@ -302,10 +350,26 @@ pub fn portable_expert_loop_deferred(
             }
         }
         Storage::Cpu(_) => Ok((
-            cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant)?,
+            cpu_portable::expert_loop(a1, topk_ids, topk_weights, w13, w2, a2_quant, a2_scale)?,
             FiniteCheck::none(),
         )),
     }
+}
+
+/// A static scale goes with fp8 per-tensor quantization only, and must be f32 `[1]`.
+fn check_static(op: &'static str, a2_quant: ActQuant, a2_scale: &ActScale) -> Result<()> {
+    let ActScale::Static(s) = a2_scale else {
+        return Ok(());
+    };
+    if a2_quant != ActQuant::Fp8PerTensor {
+        return Err(Error::invalid(
+            op,
+            format!("a static scale for h needs fp8 per-tensor quantization, not {a2_quant:?}"),
+        ));
+    }
+    s.expect_dtype(op, "a2_scale", &[DType::F32])?;
+    s.expect_dims(op, "a2_scale", &[1])?;
+    Ok(())
 }
 
 fn check_routes(

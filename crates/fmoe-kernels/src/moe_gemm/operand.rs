@@ -19,6 +19,27 @@ pub enum ActQuant {
     Fp8Group,
 }
 
+/// Where the scale of a per-tensor fp8 activation comes from.
+#[derive(Clone, Debug, Default)]
+pub enum ActScale {
+    /// Computed from the tensor's amax for every batch.
+    #[default]
+    Dynamic,
+    /// Fixed, f32 `[1]` on the activations' device (a static checkpoint's `input_scale`, uploaded
+    /// once at load): values beyond 448 · scale saturate to ±448.
+    Static(Tensor),
+}
+
+impl ActScale {
+    /// The same scale with its tensor on `device`.
+    pub fn to_device(&self, device: Device) -> Result<ActScale> {
+        Ok(match self {
+            ActScale::Dynamic => ActScale::Dynamic,
+            ActScale::Static(s) => ActScale::Static(s.to_device(device)?),
+        })
+    }
+}
+
 /// The A operand of a grouped GEMM: one row per token (GEMM1) or per route (GEMM2).
 #[derive(Clone, Debug)]
 pub enum ActOperand {
@@ -60,6 +81,42 @@ impl ActOperand {
                 (ActOperand::Fp8Group { q, scales }, check)
             }
         })
+    }
+
+    /// [`Self::quantize_deferred`] with the scale `scale` says: a static scale needs
+    /// `ActQuant::Fp8PerTensor` (the codes are `quant_fp8::quantize_static_deferred`'s and the
+    /// operand carries that scale tensor).
+    pub fn quantize_scaled_deferred(
+        x: &Tensor,
+        scheme: ActQuant,
+        scale: &ActScale,
+    ) -> Result<(ActOperand, FiniteCheck)> {
+        match (scale, scheme) {
+            (ActScale::Dynamic, _) => ActOperand::quantize_deferred(x, scheme),
+            (ActScale::Static(s), ActQuant::Fp8PerTensor) => {
+                let (q, check) = quant_fp8::quantize_static_deferred(x, s)?;
+                Ok((
+                    ActOperand::Fp8PerTensor {
+                        q,
+                        scale: s.clone(),
+                    },
+                    check,
+                ))
+            }
+            (ActScale::Static(_), other) => Err(Error::invalid(
+                "ActOperand::quantize",
+                format!(
+                    "a static activation scale needs fp8 per-tensor quantization, not {other:?}"
+                ),
+            )),
+        }
+    }
+
+    /// [`Self::quantize_scaled_deferred`], waiting for the NaN/Inf check.
+    pub fn quantize_scaled(x: &Tensor, scheme: ActQuant, scale: &ActScale) -> Result<ActOperand> {
+        let (a, check) = ActOperand::quantize_scaled_deferred(x, scheme, scale)?;
+        check.check()?;
+        Ok(a)
     }
 
     /// The quantization scheme this operand carries.

@@ -39,9 +39,10 @@ const GRID_LIMIT: usize = 65_535;
 /// The input dtypes the kernels are built for.
 const INPUT_DTYPES: [DType; 2] = [DType::BF16, DType::F32];
 /// The entry points of the source.
-const ENTRIES: [&str; 4] = [
+const ENTRIES: [&str; 5] = [
     "fmoe_fp8_amax",
     "fmoe_fp8_quant_tensor",
+    "fmoe_fp8_quant_tensor_static",
     "fmoe_fp8_quant_group",
     "fmoe_fp8_quant_block",
 ];
@@ -161,6 +162,68 @@ pub(crate) fn cast_with_amax(
     unsafe { b.launch(launch_1d(tensor_grid(x, n))) }
         .map_err(|e| cuda_error("quant_fp8: quant_tensor launch", e))?;
     Ok(())
+}
+
+/// `q = sat_rne(x / s)` with the f32 scale s at `scale` (a static input_scale, never read by
+/// the host); sets the u32 at `flag` when any element is not finite.
+pub(crate) fn cast_with_scale(
+    op: &'static str,
+    x: &CudaStorage,
+    n: usize,
+    scale: &CudaStorage,
+    q: &mut CudaStorage,
+    flag: &CudaView<'_, u8>,
+) -> Result<()> {
+    let backend = x.backend();
+    let f = nvrtc::load(
+        backend,
+        FAMILY,
+        SRC,
+        "fmoe_fp8_quant_tensor_static",
+        &input_defines(op, x)?,
+    )?;
+    if scale.dtype() != DType::F32 || scale.len() != 1 {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the static scale must be one f32, got {} {}",
+                scale.len(),
+                scale.dtype()
+            ),
+        ));
+    }
+    let n64 = n as u64;
+    let mut b = backend.stream().launch_builder(&f);
+    b.arg(x.buffer())
+        .arg(&n64)
+        .arg(scale.buffer())
+        .arg(q.buffer_mut()?)
+        .arg(flag);
+    // SAFETY: (const in_t*, u64, const float*, u8*, u32*) as declared; x holds n elements of the
+    // compiled dtype, q n bytes, both 256-byte aligned (16-byte loads, 8- or 4-byte code stores);
+    // scale is one f32 (checked above), flag 4 bytes of a live allocation.
+    unsafe { b.launch(launch_1d(tensor_grid(x, n))) }
+        .map_err(|e| cuda_error("quant_fp8: quant_tensor_static launch", e))?;
+    Ok(())
+}
+
+/// Static per-tensor quantization of `x` (all its elements) with the device scale `scale` (f32
+/// [1]): (q u8 codes, error flag u32 [1]).
+pub(crate) fn per_tensor_static(
+    op: &'static str,
+    x: &CudaStorage,
+    scale: &CudaStorage,
+) -> Result<(CudaStorage, CudaStorage)> {
+    input_defines(op, x)?;
+    let backend = x.backend();
+    let n = x.len();
+    let flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+    let mut q = CudaStorage::alloc(backend, DType::F8E4M3, n)?;
+    {
+        let word = flag.buffer().slice(0..4);
+        cast_with_scale(op, x, n, scale, &mut q, &word)?;
+    }
+    Ok((q, flag))
 }
 
 /// Dynamic per-tensor quantization of `x` (all its elements): (q u8 codes, scale f32 [1],

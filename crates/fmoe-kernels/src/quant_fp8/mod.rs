@@ -342,6 +342,38 @@ pub fn quantize_with_scale(x: &Tensor, scale: f32) -> Result<Tensor> {
     }
 }
 
+/// Static per-tensor with the scale as data: `scale` f32 `[1]` on x's device (a checkpoint's
+/// `input_scale`, uploaded once; on CUDA never read by the host). Codes are those of
+/// [`quantize_with_scale`] (round to nearest even, saturating to ±448). NaN/Inf in `x` is an
+/// error, as for the dynamic scale: at once on the CPU, through the returned check on CUDA (the
+/// codes are still written for every element).
+pub fn quantize_static_deferred(x: &Tensor, scale: &Tensor) -> Result<(Tensor, FiniteCheck)> {
+    const OP: &str = "quant_fp8::quantize_static";
+    scale.expect_dtype(OP, "scale", &[DType::F32])?;
+    scale.expect_dims(OP, "scale", &[1])?;
+    scale.expect_device(OP, "scale", x.device())?;
+    match (x.storage(), scale.storage()) {
+        (Storage::Cuda(s), Storage::Cuda(sc)) => {
+            let (q, flag) = cuda::per_tensor_static(OP, s, sc)?;
+            let flag = Tensor::from_storage(Storage::Cuda(flag), [1])?;
+            Ok((
+                Tensor::from_storage(Storage::Cuda(q), x.shape().clone())?,
+                FiniteCheck::device_flag(OP, "x", flag, 0, Some(x.clone())),
+            ))
+        }
+        (Storage::Cpu(s), _) => {
+            let sv = scale.cpu_slice::<f32>(OP, "scale")?[0];
+            check_scale(OP, sv)?;
+            let xs = input_f32(OP, "x", s)?;
+            cpu::amax(&xs).map_err(|(i, v)| non_finite(OP, "x", i, v))?;
+            let mut q = fp8_buffer(xs.len());
+            cpu::quantize_slice(&xs, sv, &mut q);
+            Ok((output(q, x.shape().clone(), x)?, FiniteCheck::none()))
+        }
+        _ => Err(Error::invalid(OP, "x and scale are on different devices")),
+    }
+}
+
 /// `q · scale` as f32, same shape as `q`.
 pub fn dequantize_per_tensor(q: &Tensor, scale: f32) -> Result<Tensor> {
     const OP: &str = "quant_fp8::dequantize_per_tensor";

@@ -5,9 +5,9 @@
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::routing::TopK;
-use fmoe_moe::{CheckpointExperts, FusedMoe, QuantScheme};
+use fmoe_moe::{ActScales, CheckpointExperts, FusedMoe, QuantScheme};
 
-use crate::config::QuantizationConfig;
+use crate::config::{ActivationScheme, QuantizationConfig};
 use crate::layers::linear::Linear;
 use crate::loader::Vb;
 use crate::{Error, Result};
@@ -78,6 +78,35 @@ pub fn load_experts(
     load_expert_stack(&experts, &vb.name(""), names, hidden, inter, quant)
 }
 
+/// The activation scales of experts `0..num_experts` under `vb`: dynamic unless the checkpoint's
+/// `activation_scheme` is static, in which case each expert's `J.{gate,up,down}.input_scale`
+/// (shape [] or [1], f32/bf16/f16; a missing one is an error naming it) is read and
+/// [`ActScales::from_expert_input_scales`] takes their maxima. Only the MoE experts use them:
+/// the dense linears of such checkpoints ignore their `input_scale` (their activations stay
+/// unquantized).
+pub fn load_expert_act_scales(
+    vb: &Vb,
+    names: ExpertNames,
+    num_experts: usize,
+    quant: &QuantizationConfig,
+) -> Result<ActScales> {
+    match quant {
+        QuantizationConfig::Fp8PerTensor {
+            activation_scheme: ActivationScheme::Static,
+        } => {
+            let (mut a13, mut a2) = (Vec::new(), Vec::new());
+            for j in 0..num_experts {
+                let e = vb.pp(j);
+                a13.push(e.pp(names.gate).get_scalar("input_scale")?);
+                a13.push(e.pp(names.up).get_scalar("input_scale")?);
+                a2.push(e.pp(names.down).get_scalar("input_scale")?);
+            }
+            Ok(ActScales::from_expert_input_scales(&a13, &a2)?)
+        }
+        _ => Ok(ActScales::Dynamic),
+    }
+}
+
 /// Loads one unnumbered expert under `vb` (DeepSeek-V3's `mlp.shared_experts`:
 /// `{gate,up,down}.weight` [+ scales]) as a stack of one (E = 1), the layout
 /// [`fmoe_moe::FusedMoe`] takes for its shared expert.
@@ -108,6 +137,16 @@ fn load_expert_stack(
     quant: &QuantizationConfig,
 ) -> Result<CheckpointExperts> {
     const FLOATS: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+    if let QuantizationConfig::Fp8Block {
+        activation_scheme: ActivationScheme::Static,
+        ..
+    } = quant
+    {
+        return Err(Error::Options(format!(
+            "{label}: fp8 block-scaled checkpoints with activation_scheme `static` are not \
+             supported (static activation scales exist for per-tensor fp8 only)"
+        )));
+    }
     let num_experts = experts.len();
     let (gate_dims, down_dims) = ([inter, hidden], [hidden, inter]);
     let mut w13 = Vec::with_capacity(num_experts);

@@ -1,19 +1,21 @@
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_kernels::moe_gemm::{ActQuant, WeightOperand};
+use fmoe_kernels::moe_gemm::{ActQuant, ActScale, WeightOperand};
 use fmoe_kernels::quant_fp8::{self, FP8_BLOCK};
 
-use super::{CheckpointExperts, MoeMethod, not_processed};
+use super::{CheckpointExperts, MoeMethod, not_processed, static_needs_per_tensor};
 use crate::stages::ExpertOperands;
-use crate::{Error, KernelFamily, QuantScheme, Result};
+use crate::{ActScales, Error, KernelFamily, QuantScheme, Result};
 
 const NAME: &str = "Fp8MoeMethod";
 
 /// e4m3 expert weights, per-tensor (Mixtral-FP8) or 128×128 block-scaled (DeepSeek-V3), with
-/// dynamic activation quantization to match. Accepts fp8 checkpoints of its scheme, or dense
-/// weights that it quantizes online.
+/// activation quantization to match: dynamic, or per-tensor with static scales
+/// ([`ActScales::Static`], set through [`MoeMethod::set_act_scales`]). Accepts fp8 checkpoints
+/// of its scheme, or dense weights that it quantizes online.
 #[derive(Debug)]
 pub struct Fp8MoeMethod {
     scheme: QuantScheme,
+    act_scales: ActScales,
     checkpoint: Option<CheckpointExperts>,
     operands: Option<ExpertOperands>,
 }
@@ -49,6 +51,7 @@ impl Fp8MoeMethod {
         w2.expect_dtype(NAME, "w2", allowed)?;
         Ok(Fp8MoeMethod {
             scheme,
+            act_scales: ActScales::Dynamic,
             checkpoint: Some(experts),
             operands: None,
         })
@@ -130,13 +133,62 @@ impl MoeMethod for Fp8MoeMethod {
         // Validates every scale shape against its weight before the first batch.
         w13.dims(NAME, "w13")?;
         w2.dims(NAME, "w2")?;
-        self.operands = Some(ExpertOperands { w13, w2, act_quant });
+        let (a13_scale, a2_scale) = static_scale_tensors(self.act_scales, w13.data().device())?;
+        self.operands = Some(ExpertOperands {
+            w13,
+            w2,
+            act_quant,
+            a13_scale,
+            a2_scale,
+        });
         Ok(())
     }
 
     fn operands(&self) -> Result<&ExpertOperands> {
         self.operands.as_ref().ok_or_else(|| not_processed(NAME))
     }
+
+    fn act_scales(&self) -> ActScales {
+        self.act_scales
+    }
+
+    /// Static scales are uploaded once to the weights' device here (or when the weights are
+    /// processed); the kernels read them there, as they read a dynamic scale a kernel wrote.
+    fn set_act_scales(&mut self, scales: ActScales) -> Result<()> {
+        if let ActScales::Static { a13, a2 } = scales {
+            if self.scheme != QuantScheme::Fp8PerTensor {
+                return Err(static_needs_per_tensor(self.scheme));
+            }
+            for (name, s) in [("a13", a13), ("a2", a2)] {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(Error::Weights {
+                        method: NAME,
+                        msg: format!(
+                            "static activation scale {name} is {s}; it must be finite and positive"
+                        ),
+                    });
+                }
+            }
+        }
+        if let Some(ops) = &mut self.operands {
+            let (a13_scale, a2_scale) = static_scale_tensors(scales, ops.w13.data().device())?;
+            ops.a13_scale = a13_scale;
+            ops.a2_scale = a2_scale;
+        }
+        self.act_scales = scales;
+        Ok(())
+    }
+}
+
+/// The kernels' scale operands for `scales`: f32 `[1]` tensors on `device` when static.
+fn static_scale_tensors(scales: ActScales, device: Device) -> Result<(ActScale, ActScale)> {
+    Ok(match scales {
+        ActScales::Dynamic => (ActScale::Dynamic, ActScale::Dynamic),
+        ActScales::Static { a13, a2 } => (
+            ActScale::Static(Tensor::from_vec(vec![a13], [1], &device)?),
+            ActScale::Static(Tensor::from_vec(vec![a2], [1], &device)?),
+        ),
+    })
 }
 
 /// Online per-tensor quantization: one dynamic scale per expert, on w's device.

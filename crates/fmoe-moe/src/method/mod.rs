@@ -12,7 +12,7 @@ use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 
 use crate::stages::ExpertOperands;
-use crate::{Error, KernelFamily, QuantScheme, Result};
+use crate::{ActScales, Error, KernelFamily, QuantScheme, Result};
 
 /// Expert tensors as a checkpoint (or the dummy loader) provides them.
 #[derive(Clone, Debug)]
@@ -117,6 +117,20 @@ pub trait MoeMethod: Send + Sync {
     /// The processed operands (an error before processing).
     fn operands(&self) -> Result<&ExpertOperands>;
 
+    /// The activation scales the method quantizes with (dynamic unless set).
+    fn act_scales(&self) -> ActScales {
+        ActScales::Dynamic
+    }
+
+    /// Sets the activation scales (before or after processing the weights). Only the fp8
+    /// per-tensor method takes static scales; for any other `Static` is an error.
+    fn set_act_scales(&mut self, scales: ActScales) -> Result<()> {
+        match scales {
+            ActScales::Dynamic => Ok(()),
+            ActScales::Static { .. } => Err(static_needs_per_tensor(self.scheme())),
+        }
+    }
+
     /// Runs the experts for routed tokens `x` [M, K].
     fn apply(&self, x: &Tensor, topk: &TopK, kernel: KernelFamily) -> Result<Tensor> {
         Ok(self.apply_deferred(x, topk, kernel)?.0)
@@ -146,6 +160,13 @@ pub fn create(
             Box::new(Fp8MoeMethod::create_weights(scheme, experts, dims)?)
         }
     })
+}
+
+fn static_needs_per_tensor(scheme: QuantScheme) -> Error {
+    Error::Config(format!(
+        "static activation scales need the fp8 per-tensor MoE method (fp8-tensor); this layer is \
+         {scheme}"
+    ))
 }
 
 fn not_processed(method: &'static str) -> Error {

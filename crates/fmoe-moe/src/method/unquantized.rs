@@ -1,5 +1,5 @@
 use fmoe_core::DType;
-use fmoe_kernels::moe_gemm::{ActQuant, WeightOperand};
+use fmoe_kernels::moe_gemm::{ActQuant, ActScale, WeightOperand};
 
 use super::{CheckpointExperts, MoeMethod, not_processed};
 use crate::stages::ExpertOperands;
@@ -52,6 +52,8 @@ impl MoeMethod for UnquantizedMoeMethod {
                 w13: WeightOperand::Plain(w13),
                 w2: WeightOperand::Plain(w2),
                 act_quant: ActQuant::None,
+                a13_scale: ActScale::Dynamic,
+                a2_scale: ActScale::Dynamic,
             });
         }
         Ok(())

@@ -10,7 +10,7 @@ use super::support::{act_kind, check_dims, unsupported};
 use crate::Result;
 use crate::launch::cuda_storage;
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::{ActOperand, ActQuant, WeightOperand};
+use crate::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
 use crate::quant_fp8::{FiniteCheck, cuda as qcuda};
 
 /// The activation quantization that pairs with `scheme` (GEMM1's h is quantized so).
@@ -21,8 +21,9 @@ fn act_quant_of(scheme: Fp8Scheme) -> ActQuant {
     }
 }
 
-/// Fused GEMM1: SiLU⊙mul and the quantization of h for GEMM2 (see the module docs). Returns the
-/// GEMM2 operand (rows in route order) and the NaN/Inf check of h.
+/// Fused GEMM1: SiLU⊙mul and the quantization of h for GEMM2 (see the module docs), with h's
+/// scale from its amax or, per-tensor, a static device scale (`a2_scale`). Returns the GEMM2
+/// operand (rows in route order) and the NaN/Inf check of h.
 pub(crate) fn gemm1_quant(
     op: &'static str,
     a: &ActOperand,
@@ -30,6 +31,7 @@ pub(crate) fn gemm1_quant(
     top_k: usize,
     w13: &WeightOperand,
     a2_quant: ActQuant,
+    a2_scale: &ActScale,
 ) -> Result<(ActOperand, FiniteCheck)> {
     let (scheme, act, weight, device) = operands(op, a, "a1", w13, "w13")?;
     if a2_quant != act_quant_of(scheme) {
@@ -62,8 +64,33 @@ pub(crate) fn gemm1_quant(
         experts: routes.num_experts,
     };
     let mut hq = CudaStorage::alloc(backend, DType::F8E4M3, r * n)?;
-    match scheme {
-        Fp8Scheme::PerTensor => {
+    match (scheme, a2_scale) {
+        (Fp8Scheme::PerTensor, ActScale::Static(s)) => {
+            // No amax: GEMM1 writes bf16 h only, the cast uses the scale uploaded at load.
+            let sc = cuda_storage(op, "a2_scale", s, device)?;
+            let mut h = CudaStorage::alloc(backend, DType::BF16, r * n)?;
+            let flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+            launch(op, &g, Some(&mut h), None, None, None)?;
+            {
+                let word = flag.buffer().slice(0..4);
+                qcuda::cast_with_scale(op, &h, r * n, sc, &mut hq, &word)?;
+            }
+            Ok((
+                ActOperand::Fp8PerTensor {
+                    q: cuda_tensor(hq, &[r, n])?,
+                    scale: s.clone(),
+                },
+                FiniteCheck::device_flag(op, "h", cuda_tensor(flag, &[1])?, 0, None),
+            ))
+        }
+        (Fp8Scheme::Block, ActScale::Static(_)) => Err(unsupported(
+            op,
+            device,
+            "a static scale for h needs per-tensor fp8 (the block-scaled GEMM1 quantizes h in \
+             1×128 groups)"
+                .into(),
+        )),
+        (Fp8Scheme::PerTensor, ActScale::Dynamic) => {
             // GEMM1 writes bf16 h and atomicMax(|h|) into ctrl[0]; the cast pass turns that into
             // the scale and flags a non-finite amax in ctrl[1].
             let mut h = CudaStorage::alloc(backend, DType::BF16, r * n)?;
@@ -83,7 +110,7 @@ pub(crate) fn gemm1_quant(
                 FiniteCheck::device_flag(op, "h", ctrl, 1, None),
             ))
         }
-        Fp8Scheme::Block => {
+        (Fp8Scheme::Block, ActScale::Dynamic) => {
             let groups = n.div_ceil(qcuda::GROUP);
             let mut hs = CudaStorage::alloc(backend, DType::F32, r * groups)?;
             let flag = CudaStorage::zeros(backend, DType::U32, 1)?;

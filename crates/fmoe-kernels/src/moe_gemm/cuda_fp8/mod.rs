@@ -27,6 +27,9 @@
 //!   amax of |h|) → cast of h with that amax (`quant_fp8.cu`, the one pass left) → GEMM2. The GPU
 //!   requantizes the **bf16-rounded** h, while the CPU twin quantizes its f32 h: codes can differ
 //!   by one step where bf16 rounding crosses a code boundary (within the tests' 1e-2).
+//!   With a static scale for h (`ActScale::Static`, a static checkpoint's `input_scale`) GEMM1
+//!   skips the amax atomics and the cast reads that device scalar instead
+//!   (`fmoe_fp8_quant_tensor_static`); the portable path casts h the same way.
 //! - block: [x's 1×128 group quantization] → GEMM1 (codes and scales of h, from f32 h, as the
 //!   CPU twin) → GEMM2.
 //!

@@ -11,13 +11,13 @@ use super::{FP8_K_MULTIPLE, Fp8GemmConfig, Fp8Scheme};
 use crate::launch::{cuda_storage, u32_arg};
 use crate::moe_align::align_routes;
 use crate::moe_gemm::cuda::{GLUE_FAMILY, GLUE_SRC, glue_launch};
-use crate::moe_gemm::{ActOperand, ActQuant, WeightOperand};
+use crate::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
 use crate::nvrtc;
 use crate::quant_fp8::{FiniteCheck, cuda as qcuda};
 use crate::{Error, Result};
 
 /// The unfused fp8 baseline on CUDA (see the module docs): y f32 [M, K] and the NaN/Inf check of
-/// the requantized h.
+/// the requantized h (`a2`: its quantization, and for per-tensor a static scale or none).
 pub(crate) fn portable(
     op: &'static str,
     a1: &ActOperand,
@@ -25,7 +25,7 @@ pub(crate) fn portable(
     topk_weights: &Tensor,
     w13: &WeightOperand,
     w2: &WeightOperand,
-    a2_quant: ActQuant,
+    (a2_quant, a2_scale): (ActQuant, &ActScale),
 ) -> Result<(Tensor, FiniteCheck)> {
     let (scheme, act, weight13, device) = operands(op, a1, "a1", w13, "w13")?;
     let scheme2 = pair_scheme(op, device, a2_quant, w2, "w2")?;
@@ -138,13 +138,26 @@ pub(crate) fn portable(
     // R·2N f32, h R·N elements of that type.
     unsafe { b.launch(glue_launch(r)) }.map_err(|e| cuda_error("moe_unfused: silu_mul", e))?;
     drop(gu);
-    let (hq, hs, check) = match scheme {
-        Fp8Scheme::PerTensor => {
+    let (hq, hs, check) = match (scheme, a2_scale) {
+        (Fp8Scheme::PerTensor, ActScale::Static(s)) => {
+            let sc = cuda_storage(op, "a2_scale", s, device)?;
+            let (hq, flag) = qcuda::per_tensor_static(op, &h, sc)?;
+            let check = FiniteCheck::device_flag(op, "h", cuda_tensor(flag, &[1])?, 0, None);
+            (hq, sc.clone(), check)
+        }
+        (Fp8Scheme::Block, ActScale::Static(_)) => {
+            return Err(unsupported(
+                op,
+                device,
+                "a static scale for h needs per-tensor fp8".into(),
+            ));
+        }
+        (Fp8Scheme::PerTensor, ActScale::Dynamic) => {
             let (hq, hs, ctrl) = qcuda::per_tensor(op, &h)?;
             let check = FiniteCheck::device_flag(op, "h", cuda_tensor(ctrl, &[2])?, 1, None);
             (hq, hs, check)
         }
-        Fp8Scheme::Block => {
+        (Fp8Scheme::Block, ActScale::Dynamic) => {
             let (hq, hs, flag) = qcuda::per_group(op, &h, r, n)?;
             let check = FiniteCheck::device_flag(op, "h", cuda_tensor(flag, &[1])?, 0, None);
             (hq, hs, check)
