@@ -230,38 +230,12 @@ fn fp8_checkpoints_load_and_stay_within_the_fp8_bound() {
     }
 }
 
-/// The fixture as a static per-tensor fp8 checkpoint (Mixtral-8x7B-Instruct-FP8's layout): every
-/// quantized linear gets an `input_scale` of `base · (1 + j/8)` (j: the expert, 0 for attention),
-/// so experts' scales differ and the layer takes their max.
 fn static_fp8_tensors(base: f32) -> Tensors {
-    let mut t = common::quantize_fp8(FIXTURE.tensors(), false, |name, _| {
-        name.ends_with("_proj.weight") || name.contains(".experts.")
-    });
-    let names: Vec<String> = t
-        .keys()
-        .filter(|n| n.ends_with(".weight_scale"))
-        .cloned()
-        .collect();
-    for n in names {
-        let j = n
-            .split(".experts.")
-            .nth(1)
-            .and_then(|r| r.split('.').next())
-            .and_then(|j| j.parse::<u32>().ok())
-            .unwrap_or(0);
-        let s = base * (1.0 + j as f32 / 8.0);
-        let s = Tensor::from_vec(vec![s], Vec::<usize>::new(), &Device::Cpu).unwrap();
-        t.insert(
-            n.replace(".weight_scale", ".input_scale"),
-            Raw::from_tensor(&s),
-        );
-    }
-    t
+    common::static_fp8(&FIXTURE, base)
 }
 
 fn static_config(c: &mut serde_json::Value) {
-    c["quantization_config"] =
-        serde_json::json!({"quant_method": "fp8", "activation_scheme": "static"});
+    c["quantization_config"] = common::static_fp8_quantization_config();
 }
 
 #[test]

@@ -178,6 +178,44 @@ pub fn quantize_fp8(
     t
 }
 
+/// `fixture` as a static per-tensor fp8 checkpoint (Mixtral-8x7B-Instruct-FP8's layout): attention
+/// and expert linears in e4m3 with `weight_scale` (`quantize_fp8`), each with an `input_scale`
+/// of `base · (1 + j/8)` (j: the expert, 0 for attention), so experts' scales differ and the MoE
+/// layer takes their max. Load it with [`static_fp8_quantization_config`].
+// Not every test binary has a per-tensor static checkpoint (DeepSeek-V3's are block-scaled).
+#[allow(dead_code)]
+pub fn static_fp8(fixture: &Fixture, base: f32) -> Tensors {
+    let mut t = quantize_fp8(fixture.tensors(), false, |name, _| {
+        name.ends_with("_proj.weight") || name.contains(".experts.")
+    });
+    let names: Vec<String> = t
+        .keys()
+        .filter(|n| n.ends_with(".weight_scale"))
+        .cloned()
+        .collect();
+    for n in names {
+        let j = n
+            .split(".experts.")
+            .nth(1)
+            .and_then(|r| r.split('.').next())
+            .and_then(|j| j.parse::<u32>().ok())
+            .unwrap_or(0);
+        let s = base * (1.0 + j as f32 / 8.0);
+        let s = Tensor::from_vec(vec![s], Vec::<usize>::new(), &Device::Cpu).unwrap();
+        t.insert(
+            n.replace(".weight_scale", ".input_scale"),
+            Raw::from_tensor(&s),
+        );
+    }
+    t
+}
+
+/// The `quantization_config` of a checkpoint `static_fp8` wrote.
+#[allow(dead_code)]
+pub fn static_fp8_quantization_config() -> serde_json::Value {
+    serde_json::json!({"quant_method": "fp8", "activation_scheme": "static"})
+}
+
 /// The `quantization_config` of a checkpoint `quantize_fp8` wrote.
 pub fn fp8_quantization_config(block: bool) -> serde_json::Value {
     if block {
