@@ -15,8 +15,9 @@
 //! shared output are each rounded to bf16 and their sum once more: 3·2⁻⁸ + 2e-4 ≈ 1.19e-2, so
 //! that test allows 1.25e-2.
 
+mod common;
+use common::*;
 use fmoe_core::cuda::test_backend_or_skip;
-use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::moe_gemm::CUDA_BLOCK_M;
@@ -24,36 +25,15 @@ use fmoe_kernels::quant_fp8::{self, FP8_BLOCK};
 use fmoe_kernels::routing::{TopK, topk_softmax};
 use fmoe_moe::reference::{moe_f64, rel_err};
 use fmoe_moe::stages::ExpertOperands;
-use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
+use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
 
 const CUDA: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 /// See the module docs.
 const TOL: f64 = 1e-2;
 const TOL_SHARED: f64 = 1.25e-2;
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| StandardNormal.sample(rng))
-        .map(|v: f32| v * scale)
-        .collect()
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    m: usize,
-    e: usize,
-    k: usize,
-    n: usize,
-    top_k: usize,
-}
-
-const fn case(m: usize, e: usize, k: usize, n: usize, top_k: usize) -> Case {
-    Case { m, e, k, n, top_k }
-}
 
 /// M = 0, 1, 7, 300; E = 1 and 256 (top-8, most experts without tokens at M = 7); top-k = E; N
 /// not a multiple of the 64/128 tiles (72, 200, 1000); K with a ragged 32-wide K tile (136).
@@ -73,54 +53,6 @@ const LARGE: &[Case] = &[
     case(2048, 256, 256, 136, 8),
     case(16384, 8, 256, 128, 2),
 ];
-
-fn config(c: &Case) -> MoeConfig {
-    MoeConfig {
-        num_experts: c.e,
-        top_k: c.top_k,
-        hidden: c.k,
-        intermediate: c.n,
-        routing: Routing::Softmax { renormalize: true },
-        shared_intermediate: None,
-    }
-}
-
-fn switches(family: KernelFamily) -> FusedSwitches {
-    FusedSwitches {
-        use_fused: family == KernelFamily::Fused,
-        use_fused_moe: true,
-        use_fused_fp8_block_scaled_moe: true,
-    }
-}
-
-/// Host data of one case: x bf16 [M, K], logits f32 [M, E], w13 bf16 [E, 2N, K], w2 bf16 [E, K, N].
-struct Inputs {
-    x: Tensor,
-    logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-}
-
-fn inputs(c: &Case, seed: u64) -> Inputs {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let x = randn(&mut rng, c.m * c.k, 1.0);
-    let logits = randn(&mut rng, c.m * c.e, 1.0);
-    let w13 = randn(&mut rng, c.e * 2 * c.n * c.k, 1.0 / (c.k as f32).sqrt());
-    let w2 = randn(&mut rng, c.e * c.k * c.n, 1.0 / (c.n as f32).sqrt());
-    Inputs {
-        x: Tensor::from_f32(&x, [c.m, c.k], DType::BF16, &CPU).unwrap(),
-        logits: Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap(),
-        w13: Tensor::from_f32(&w13, [c.e, 2 * c.n, c.k], DType::BF16, &CPU).unwrap(),
-        w2: Tensor::from_f32(&w2, [c.e, c.k, c.n], DType::BF16, &CPU).unwrap(),
-    }
-}
-
-fn host_topk(t: &TopK) -> TopK {
-    TopK {
-        weights: t.weights.to_device(CPU).unwrap(),
-        ids: t.ids.to_device(CPU).unwrap(),
-    }
-}
 
 fn gpu_layer(c: &Case, inp: &Inputs, family: KernelFamily) -> FusedMoe {
     let experts = CheckpointExperts::Dense {

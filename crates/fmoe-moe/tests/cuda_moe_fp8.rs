@@ -25,17 +25,16 @@
 //!   four e4m3 roundings (a1, w13, a2, w2), each ≤ 2⁻⁴ relative, (1 + 2⁻⁴)⁴ − 1 ≈ 0.27 worst case;
 //!   typically ≈ 6.5e-2.
 
+mod common;
+use common::*;
 use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::nvrtc::trace_launches;
-use fmoe_kernels::routing::{TopK, topk_softmax};
+use fmoe_kernels::routing::topk_softmax;
 use fmoe_moe::reference::{moe_f64, moe_f64_h_rounded, rel_err};
 use fmoe_moe::stages::ExpertOperands;
-use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
+use fmoe_moe::{CheckpointExperts, FusedMoe, KernelFamily, QuantScheme};
 
 const CUDA: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
@@ -43,26 +42,6 @@ const TOL_SAME: f64 = 1e-2;
 const TOL_F32H: f64 = 3e-2;
 const TOL_QUANT: f64 = 0.27;
 const FP8: [QuantScheme; 2] = [QuantScheme::Fp8PerTensor, QuantScheme::Fp8Block];
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| StandardNormal.sample(rng))
-        .map(|v: f32| v * scale)
-        .collect()
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    m: usize,
-    e: usize,
-    k: usize,
-    n: usize,
-    top_k: usize,
-}
-
-const fn case(m: usize, e: usize, k: usize, n: usize, top_k: usize) -> Case {
-    Case { m, e, k, n, top_k }
-}
 
 /// M = 0, 1, 33, 300; E = 1 and 256 (top-8, most experts without tokens); top-k = E; K and N
 /// multiples of 16 but not of 128 (ragged last K blocks, 1×128 groups and N tiles).
@@ -82,54 +61,6 @@ const LARGE: &[Case] = &[
     case(2048, 16, 512, 384, 4),
     case(2048, 256, 400, 144, 8),
 ];
-
-fn config(c: &Case) -> MoeConfig {
-    MoeConfig {
-        num_experts: c.e,
-        top_k: c.top_k,
-        hidden: c.k,
-        intermediate: c.n,
-        routing: Routing::Softmax { renormalize: true },
-        shared_intermediate: None,
-    }
-}
-
-fn switches(family: KernelFamily) -> FusedSwitches {
-    FusedSwitches {
-        use_fused: family == KernelFamily::Fused,
-        use_fused_moe: true,
-        use_fused_fp8_block_scaled_moe: true,
-    }
-}
-
-/// Host data of one case: x bf16 [M, K], logits f32 [M, E], w13 bf16 [E, 2N, K], w2 bf16 [E, K, N].
-struct Inputs {
-    x: Tensor,
-    logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-}
-
-fn inputs(c: &Case, seed: u64) -> Inputs {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let x = randn(&mut rng, c.m * c.k, 1.0);
-    let logits = randn(&mut rng, c.m * c.e, 1.0);
-    let w13 = randn(&mut rng, c.e * 2 * c.n * c.k, 1.0 / (c.k as f32).sqrt());
-    let w2 = randn(&mut rng, c.e * c.k * c.n, 1.0 / (c.n as f32).sqrt());
-    Inputs {
-        x: Tensor::from_f32(&x, [c.m, c.k], DType::BF16, &CPU).unwrap(),
-        logits: Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap(),
-        w13: Tensor::from_f32(&w13, [c.e, 2 * c.n, c.k], DType::BF16, &CPU).unwrap(),
-        w2: Tensor::from_f32(&w2, [c.e, c.k, c.n], DType::BF16, &CPU).unwrap(),
-    }
-}
-
-fn host_topk(t: &TopK) -> TopK {
-    TopK {
-        weights: t.weights.to_device(CPU).unwrap(),
-        ids: t.ids.to_device(CPU).unwrap(),
-    }
-}
 
 /// A layer of `scheme` on CUDA from dense bf16 device weights (quantized on the device).
 fn gpu_layer(

@@ -15,45 +15,21 @@
 //! Without a CUDA device the CUDA tests print "skipping: <reason>" and pass, unless
 //! `FMOE_REQUIRE_CUDA=1`.
 
+mod common;
+use common::*;
 use fmoe_core::cuda::test_backend_or_skip;
-use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, F8E4M3, Tensor};
 use fmoe_kernels::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
 use fmoe_kernels::nvrtc::trace_launches;
 use fmoe_kernels::routing::{TopK, topk_softmax};
 use fmoe_moe::reference::{moe_f64, rel_err};
 use fmoe_moe::stages::ExpertOperands;
-use fmoe_moe::{
-    ActScales, CheckpointExperts, FusedMoe, KernelFamily, MoeConfig, QuantScheme, Routing,
-};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
+use fmoe_moe::{ActScales, CheckpointExperts, FusedMoe, KernelFamily, QuantScheme};
 
 const CUDA: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
 const TOL_SAME: f64 = 1e-2;
 const TOL_QUANT: f64 = 0.27;
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| StandardNormal.sample(rng))
-        .map(|v: f32| v * scale)
-        .collect()
-}
-
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    m: usize,
-    e: usize,
-    k: usize,
-    n: usize,
-    top_k: usize,
-}
-
-const fn case(m: usize, e: usize, k: usize, n: usize, top_k: usize) -> Case {
-    Case { m, e, k, n, top_k }
-}
 
 /// K, N multiples of 16 (the CUDA contract), not of 128; M = 1 to 300 (small tiles on CUDA).
 const CASES: &[Case] = &[
@@ -64,46 +40,6 @@ const CASES: &[Case] = &[
 
 /// 256 routes per expert (≥ 128): the large per-tensor CUDA tiles.
 const LARGE: Case = case(1024, 8, 528, 336, 2);
-
-struct Inputs {
-    x: Tensor,
-    logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-}
-
-fn inputs(c: &Case, seed: u64) -> Inputs {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let x = randn(&mut rng, c.m * c.k, 1.0);
-    let logits = randn(&mut rng, c.m * c.e, 1.0);
-    let w13 = randn(&mut rng, c.e * 2 * c.n * c.k, 1.0 / (c.k as f32).sqrt());
-    let w2 = randn(&mut rng, c.e * c.k * c.n, 1.0 / (c.n as f32).sqrt());
-    Inputs {
-        x: Tensor::from_f32(&x, [c.m, c.k], DType::BF16, &CPU).unwrap(),
-        logits: Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap(),
-        w13: Tensor::from_f32(&w13, [c.e, 2 * c.n, c.k], DType::BF16, &CPU).unwrap(),
-        w2: Tensor::from_f32(&w2, [c.e, c.k, c.n], DType::BF16, &CPU).unwrap(),
-    }
-}
-
-fn config(c: &Case) -> MoeConfig {
-    MoeConfig {
-        num_experts: c.e,
-        top_k: c.top_k,
-        hidden: c.k,
-        intermediate: c.n,
-        routing: Routing::Softmax { renormalize: true },
-        shared_intermediate: None,
-    }
-}
-
-fn switches(family: KernelFamily) -> FusedSwitches {
-    FusedSwitches {
-        use_fused: family == KernelFamily::Fused,
-        use_fused_moe: true,
-        use_fused_fp8_block_scaled_moe: true,
-    }
-}
 
 /// An fp8 per-tensor layer on `device` (weights quantized online there) with `scales`.
 fn layer(
