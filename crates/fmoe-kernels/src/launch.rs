@@ -1,10 +1,29 @@
 //! Small helpers shared by the CUDA twins: argument conversion with errors instead of truncation,
-//! grid sizes for grid-stride kernels, and access to a tensor's device storage.
+//! grid sizes for grid-stride kernels, access to a tensor's device storage, and the shared-memory
+//! opt-in of the big-tile kernels.
 
-use fmoe_core::cuda::CudaStorage;
+use fmoe_core::cuda::cudarc::driver::CudaFunction;
+use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
+use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{Device, Storage, Tensor};
 
 use crate::{Error, Result};
+
+/// Dynamic shared memory a block may use without opting in (`cuFuncSetAttribute`).
+const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
+
+/// Lets `f` launch with `bytes` of dynamic shared memory (a no-op up to the default 48 KiB);
+/// `what` names the kernel in the error.
+pub(crate) fn opt_in_smem(f: &CudaFunction, bytes: u32, what: &'static str) -> Result<()> {
+    if bytes > DEFAULT_SMEM_LIMIT {
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )
+        .map_err(|e| cuda_error(what, e))?;
+    }
+    Ok(())
+}
 
 /// Threads per block of the grid-stride elementwise kernels.
 pub(crate) const ELEMENTWISE_THREADS: u32 = 256;

@@ -7,13 +7,13 @@
 //! the decode kernel over its tiles, and `fmoe_attention_combine` for each kernel that split KV.
 //! See the module docs of [`super`] for the kernel-choice and split rules.
 
-use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{CpuStorage, DType, Device, Error as CoreError};
 
 use super::{AttentionParams, SeqSpan};
 use crate::catalog::KernelVariant;
+use crate::launch::opt_in_smem;
 use crate::nvrtc;
 use crate::{Error, Result};
 
@@ -42,7 +42,6 @@ pub(crate) const MAX_SPLITS: usize = 64;
 const THREADS: u32 = 128;
 /// `FA_DESC_WORDS`.
 const DESC_WORDS: usize = 9;
-const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
 /// Positions, rows and packed rows stay below this, so no 32-bit index in the kernels wraps.
 const INDEX_LIMIT: usize = i32::MAX as usize;
 
@@ -479,13 +478,7 @@ pub(super) fn launch(
             &defines,
         )?;
         let smem = kind.smem_bytes(mi, dq, dv) as u32;
-        if smem > DEFAULT_SMEM_LIMIT {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(|e| cuda_error("attention: shared memory opt-in", e))?;
-        }
+        opt_in_smem(&f, smem, "attention: shared memory opt-in")?;
         let grid_x = u32::try_from(pl.tiles() * p.num_kv_heads)
             .ok()
             .filter(|&x| x <= i32::MAX as u32)

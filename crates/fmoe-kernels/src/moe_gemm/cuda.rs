@@ -19,14 +19,13 @@
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
 use fmoe_core::cuda::cudarc::driver::sys;
-use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use fmoe_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
-use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, u32_arg};
+use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, opt_in_smem, u32_arg};
 use crate::moe_align::{AlignedRoutes, align_routes};
 use crate::nvrtc;
 use crate::{Error, Result};
@@ -295,8 +294,6 @@ pub const BM: usize = MMA.bm;
 pub const K_MULTIPLE: usize = 8;
 /// Threads per block of the portable path's glue kernels.
 const GLUE_THREADS: u32 = 256;
-/// Shared memory a block may use without opting in (`cuFuncSetAttribute`).
-pub(super) const DEFAULT_SMEM_LIMIT: u32 = 48 * 1024;
 
 const GEMM_FAMILY: &str = "moe_gemm_bf16";
 const GEMM_SRC: &str = include_str!("../../cuda/moe_gemm_bf16.cu");
@@ -595,13 +592,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     let (family, source) = cfg.source();
     let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
-    if smem > DEFAULT_SMEM_LIMIT {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| cuda_error("moe_gemm_bf16: shared memory opt-in", e))?;
-    }
+    opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
     let launch = LaunchConfig {
         grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),

@@ -1,16 +1,15 @@
 //! One fp8 grouped GEMM launch: the operands' and aligned routes' device buffers, the variant's
 //! kernel (compiled through [`crate::nvrtc`]) and its arguments.
 
-use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
 use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{Device, Storage, Tensor};
 
 use super::support::{check_arch, pair_scheme};
 use super::{Fp8GemmConfig, Fp8Scheme};
-use crate::launch::cuda_storage;
+use crate::launch::{cuda_storage, opt_in_smem};
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::cuda::{DEFAULT_SMEM_LIMIT, GemmGrid, gemm_grid};
+use crate::moe_gemm::cuda::{GemmGrid, gemm_grid};
 use crate::moe_gemm::{ActOperand, WeightOperand};
 use crate::nvrtc;
 use crate::{Error, Result};
@@ -195,13 +194,7 @@ pub(super) fn launch(
     let (family, source, entry) = cfg.source();
     let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
-    if smem > DEFAULT_SMEM_LIMIT {
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .map_err(|e| cuda_error("moe_gemm fp8: shared memory opt-in", e))?;
-    }
+    opt_in_smem(&f, smem, "moe_gemm fp8: shared memory opt-in")?;
     let launch = LaunchConfig {
         grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),
