@@ -23,6 +23,7 @@
 #include "common/async_copy.cuh"
 #include "common/math.cuh"
 #include "common/moe_tile.cuh"
+#include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
 
 #ifndef MODE
@@ -47,44 +48,7 @@
 #define B_TMA 0
 #endif
 
-#if B_TMA
-// CUtensorMap (cuda.h is not available under NVRTC): 128 opaque bytes, 64-byte aligned.
-struct __align__(64) TmaDesc {
-    unsigned long long opaque[16];
-};
-__device__ __forceinline__ void mbar_expect_tx(unsigned int bar, unsigned int bytes) {
-    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// Box (x = k0, y = row0) of the tensor map into shared memory at dst; completes bytes on bar.
-__device__ __forceinline__ void tma_load_2d(unsigned int dst, const TmaDesc* map, int x, int y, unsigned int bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-        "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
-        : "memory");
-}
-#endif
-
 static_assert(STAGES >= 3, "the loaders publish a tile one K step late (see the loader loop)");
-
-__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// Spins until the phase with parity `parity` of the barrier has completed (labels are local to
-// the braces, so each inlined copy has its own).
-__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "MBAR_WAIT:\n"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra MBAR_WAIT;\n"
-        "}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,

@@ -87,6 +87,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/common/mma_sm80.cuh"),
     ),
     (
+        "common/sm90_pipeline.cuh",
+        include_str!("../cuda/common/sm90_pipeline.cuh"),
+    ),
+    (
         "common/sm90_wgmma.cuh",
         include_str!("../cuda/common/sm90_wgmma.cuh"),
     ),

@@ -18,11 +18,11 @@
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
-use fmoe_core::cuda::cudarc::driver::sys;
-use fmoe_core::cuda::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
+use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
 use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, opt_in_smem, u32_arg};
@@ -622,7 +622,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         // All experts' rows; MODE 1 loads the gate and the up half of a tile as two boxes.
         let rows = g.w.len() / g.kd.max(1);
         let box_rows = if g.mode == 1 { cfg.wg_n / 2 } else { cfg.wg_n };
-        b_map = weight_tensor_map(op, g.w, rows, g.kd, box_rows)?;
+        b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
     }
     // SAFETY: the arguments match `fmoe_moe_gemm_bf16`'s parameters in order and type (pointers,
@@ -638,61 +638,6 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // one more argument, the weights' tensor map, pushed above.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
-}
-
-/// `CUtensorMap` as a kernel argument (128 bytes, 64-byte aligned, passed by value).
-#[repr(C, align(64))]
-struct TensorMapArg(sys::CUtensorMap);
-
-// SAFETY: plain bytes the driver encoded; the kernel declares the parameter as a 64-byte-aligned
-// 128-byte struct (`TmaDesc`), which this layout matches.
-unsafe impl DeviceRepr for TensorMapArg {}
-
-/// The tensor map of the `Sm90WsTma` kernel's weight operand: `w` bf16 viewed as
-/// [rows, kd] (all experts stacked), boxes of 64 × `box_rows`, 128-byte swizzle, zero fill out of
-/// bounds.
-fn weight_tensor_map(
-    op: &'static str,
-    w: &CudaStorage,
-    rows: usize,
-    kd: usize,
-    box_rows: usize,
-) -> Result<TensorMapArg> {
-    let stream = w.backend().stream().clone();
-    let (ptr, _record) = DevicePtr::device_ptr(w.buffer(), &stream);
-    let dims: [u64; 2] = [kd as u64, rows as u64];
-    let strides: [u64; 1] = [(kd * 2) as u64];
-    let boxes: [u32; 2] = [64, box_rows as u32];
-    let elem: [u32; 2] = [1, 1];
-    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: every pointer refers to a live local array of the rank the call is given (2; one
-    // stride for rank 2); `ptr` is the weights' device address (256-byte aligned), kd · 2 a
-    // multiple of 16 (K_MULTIPLE), the box within the limits (≤ 256 per side, 128 bytes inner
-    // for the 128-byte swizzle).
-    let rc = unsafe {
-        sys::cuTensorMapEncodeTiled(
-            map.as_mut_ptr(),
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-            2,
-            ptr as *mut std::ffi::c_void,
-            dims.as_ptr(),
-            strides.as_ptr(),
-            boxes.as_ptr(),
-            elem.as_ptr(),
-            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-        )
-    };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(Error::invalid(
-            op,
-            format!("cuTensorMapEncodeTiled for the weights [{rows}, {kd}] failed: {rc:?}"),
-        ));
-    }
-    // SAFETY: initialized by the successful call above.
-    Ok(TensorMapArg(unsafe { map.assume_init() }))
 }
 
 fn bf16_operands<'a>(

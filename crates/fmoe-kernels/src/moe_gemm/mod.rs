@@ -33,6 +33,7 @@ mod cuda;
 mod cuda_fp8;
 mod operand;
 pub(crate) mod simd;
+mod tma;
 
 pub use cuda::{
     BM as CUDA_BLOCK_M, GemmConfig, GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE,

@@ -1,0 +1,43 @@
+// Hopper pipeline primitives shared by the warp-specialized grouped GEMMs: mbarriers (the stage
+// handover between loader and MMA warps) and the bulk tensor copy (TMA) of a 2-D tile.
+
+#ifndef FMOE_COMMON_SM90_PIPELINE_CUH
+#define FMOE_COMMON_SM90_PIPELINE_CUH
+
+// CUtensorMap (cuda.h is not available under NVRTC): 128 opaque bytes, 64-byte aligned.
+struct __align__(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned int bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Spins until the phase with parity `parity` of the barrier has completed (labels are local to
+// the braces, so each inlined copy has its own).
+__device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "MBAR_WAIT:\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra MBAR_WAIT;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+// The current phase of `bar` also waits for `bytes` more bytes of bulk copies.
+__device__ __forceinline__ void mbar_expect_tx(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Box (x = k0, y = row0) of the tensor map into shared memory at dst; completes bytes on bar.
+__device__ __forceinline__ void tma_load_2d(unsigned int dst, const TmaDesc* map, int x, int y, unsigned int bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(x), "r"(y), "r"(bar)
+        : "memory");
+}
+
+#endif  // FMOE_COMMON_SM90_PIPELINE_CUH
