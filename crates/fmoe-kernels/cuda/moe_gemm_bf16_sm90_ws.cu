@@ -1,6 +1,6 @@
 // moe_gemm_bf16_sm90_ws: the wgmma grouped expert GEMM of moe_gemm_bf16_sm90.cu, warp-specialized.
 // Same arguments, MODEs and contract; compiled for sm_90a only; BM = 128, WG_N = 256. With B_TMA=1
-// it is SM90_LARGE (cuda.rs), the prefill kernel.
+// it was SM90_LARGE (cuda.rs), now the experiment "tma"; moe_gemm_bf16_sm90_pipe.cu took over.
 //
 // Three warpgroups: warpgroup 0 only loads (cp.async: A rows are gathered by route), warpgroups 1
 // and 2 only multiply, 64 rows x WG_N each. A STAGES-deep ring of shared-memory stages is handed

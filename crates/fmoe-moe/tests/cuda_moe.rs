@@ -47,11 +47,15 @@ const SMALL: &[Case] = &[
     case(300, 256, 256, 200, 8),
 ];
 
-/// M = 2048 (also with E = 256, top-8) and M = 16384 on a smaller K/N.
+/// M = 2048 (also with E = 256, top-8) and M = 16384 on a smaller K/N; 128 routes per expert
+/// with ragged N (half the experts in a second, mostly empty 128-row tile; SM90_MID's 64-row
+/// tiles with FMOE_DEV_SM90_MID=on); a long GEMM2 reduction over few tiles (split-K).
 const LARGE: &[Case] = &[
     case(2048, 8, 1024, 1000, 2),
     case(2048, 256, 256, 136, 8),
     case(16384, 8, 256, 128, 2),
+    case(2048, 64, 256, 1000, 4),
+    case(1024, 8, 256, 2048, 2),
 ];
 
 fn gpu_layer(c: &Case, inp: &Inputs, family: KernelFamily) -> FusedMoe {

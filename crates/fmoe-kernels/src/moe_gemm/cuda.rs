@@ -64,6 +64,13 @@ pub enum GemmKind {
     /// `Sm90Ws` with the weight tile through the copy engine (`-D B_TMA=1`, a tensor map over
     /// the weights as one more kernel argument).
     Sm90WsTma,
+    /// `cuda/moe_gemm_bf16_sm90_pipe.cu`: `Sm90WsTma` whose loader keeps every stage in flight
+    /// (cp.async completion tracked by the mbarrier), GEMM2 with vector reductions, BM 128 or 64;
+    /// `persistent`: one block per SM walks the tiles, the next tile's loads overlapping this
+    /// tile's epilogue; `dynamic` (persistent only): blocks claim tiles from a global counter
+    /// instead of a fixed stride. Takes the tile space (n_tiles, m_blocks, splits) and the
+    /// counter (zeroed u32, null unless `dynamic`) as four more arguments.
+    Sm90Pipe { persistent: bool, dynamic: bool },
 }
 
 /// mma.sync kernel: any sm_80+ device.
@@ -89,11 +96,28 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
     raster_gm: 0,
 };
 
-/// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route; the
-/// warp-specialized kernel with the weights through TMA, in grouped tile order (H200, one device
-/// call with every [`SM90_LARGE_EXPERIMENTS`] entry: 1.24–1.36× faster than [`SM90_SYNC`] at
-/// M = 1024–16384 on Mixtral-8x7B/8x22B, 1.15–1.18× on DeepSeek-V3 at M ≥ 4096).
+/// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route. The
+/// pipe kernel (loader with every stage in flight, GEMM2 with vector reductions), persistent,
+/// tiles claimed from a counter in grouped order (H200, BENCHMARKS.md: 1.18–1.25× faster than
+/// [`SM90_WS_TMA`] at M = 1024–16384 on Mixtral-8x7B/8x22B and DeepSeek-V3 at 16384; the
+/// non-persistent "pipe" and the fixed-stride "persist" are within the run-to-run noise of it).
 pub const SM90_LARGE: GemmConfig = GemmConfig {
+    kind: GemmKind::Sm90Pipe {
+        persistent: true,
+        dynamic: true,
+    },
+    bm: 128,
+    bk: 64,
+    stages: 4,
+    wg_n: 256,
+    split_k: true,
+    raster_gm: 16,
+};
+
+/// The previous [`SM90_LARGE`]: the warp-specialized kernel with TMA weights whose loader waits
+/// for its previous stage's gather before issuing the next (two stages in flight; ncu: the loader
+/// warps stall on it, the tensor cores are busy ~61 % of the time). Kept as the experiment "tma".
+pub const SM90_WS_TMA: GemmConfig = GemmConfig {
     kind: GemmKind::Sm90WsTma,
     bm: 128,
     bk: 64,
@@ -103,7 +127,7 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
     raster_gm: 16,
 };
 
-/// The previous [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
+/// The first [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
 /// both load and multiply, a block barrier per K tile), launch order. Kept as the baseline
 /// experiment "sync".
 pub const SM90_SYNC: GemmConfig = GemmConfig {
@@ -122,10 +146,45 @@ pub const SM90_SYNC: GemmConfig = GemmConfig {
 pub const DEV_SM90_LARGE_ENV: &str = "FMOE_DEV_SM90_LARGE";
 
 /// The experiments of [`DEV_SM90_LARGE_ENV`], by name ("default" is [`SM90_LARGE`], the
-/// warp-specialized kernel with TMA weights, formerly "ws_tma").
-pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 5] = [
+/// persistent pipe kernel with the dynamic schedule, measured as "dyn").
+pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 9] = [
     ("default", SM90_LARGE),
     ("sync", SM90_SYNC),
+    ("tma", SM90_WS_TMA),
+    // The loader keeps all four stages in flight, GEMM2 adds with vector reductions.
+    (
+        "pipe",
+        GemmConfig {
+            kind: GemmKind::Sm90Pipe {
+                persistent: false,
+                dynamic: false,
+            },
+            ..SM90_WS_TMA
+        },
+    ),
+    // `pipe`, persistent: one block per SM, the next tile's loads overlap this tile's epilogue.
+    (
+        "persist",
+        GemmConfig {
+            kind: GemmKind::Sm90Pipe {
+                persistent: true,
+                dynamic: false,
+            },
+            ..SM90_WS_TMA
+        },
+    ),
+    // The default in groups of 8 M blocks.
+    (
+        "dyn_gm8",
+        GemmConfig {
+            kind: GemmKind::Sm90Pipe {
+                persistent: true,
+                dynamic: true,
+            },
+            raster_gm: 8,
+            ..SM90_WS_TMA
+        },
+    ),
     // SM90_SYNC in grouped tile order: resident blocks share weight tiles.
     (
         "raster",
@@ -139,7 +198,7 @@ pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 5] = [
         "ws",
         GemmConfig {
             kind: GemmKind::Sm90Ws,
-            ..SM90_LARGE
+            ..SM90_WS_TMA
         },
     ),
     (
@@ -147,7 +206,7 @@ pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 5] = [
         GemmConfig {
             kind: GemmKind::Sm90Ws,
             raster_gm: 8,
-            ..SM90_LARGE
+            ..SM90_WS_TMA
         },
     ),
 ];
@@ -173,6 +232,55 @@ fn sm90_large() -> GemmConfig {
     })
 }
 
+/// The pipe kernel with 64-row M tiles, for batches just past [`LARGE_TILE_ROUTES_PER_EXPERT`]:
+/// with ~128 routes per expert, 128-row tiles leave about half the experts a second, mostly
+/// empty tile (DeepSeek-V3 at M = 4096: 1.5× the routes' FLOPs), 64-row tiles about 1.25×. Off
+/// unless [`DEV_SM90_MID_ENV`] turns it on: on the H200 the 64 × 256 tile loses about what the
+/// padding saves (DeepSeek-V3 M = 4096: 8.47–9.3 ms vs 8.43–8.54 with 128-row tiles; Mixtral at
+/// M = 1024, 256 routes per expert: 1.68 vs 1.35 ms).
+pub const SM90_MID: GemmConfig = GemmConfig {
+    kind: GemmKind::Sm90Pipe {
+        persistent: true,
+        dynamic: true,
+    },
+    bm: 64,
+    bk: 64,
+    stages: 5,
+    wg_n: 256,
+    split_k: true,
+    raster_gm: 16,
+};
+
+/// [`SM90_MID`], with the schedule of the [`DEV_SM90_LARGE_ENV`] experiment when that is a pipe
+/// kernel too (so one experiment name compares both tile heights).
+fn sm90_mid() -> GemmConfig {
+    match sm90_large().kind {
+        kind @ GemmKind::Sm90Pipe { .. } => GemmConfig { kind, ..SM90_MID },
+        _ => SM90_MID,
+    }
+}
+
+/// Average routes per expert below which [`SM90_MID`] replaces [`SM90_LARGE`] (from
+/// [`LARGE_TILE_ROUTES_PER_EXPERT`] on) when [`DEV_SM90_MID_ENV`] is `on`.
+pub const MID_TILE_MAX_ROUTES_PER_EXPERT: usize = 256;
+
+/// Dev-only: `FMOE_DEV_SM90_MID=<off|on|wide>` sets the upper end of [`SM90_MID`]'s range (never,
+/// the default; [`MID_TILE_MAX_ROUTES_PER_EXPERT`]; 512 routes per expert), read once per process.
+pub const DEV_SM90_MID_ENV: &str = "FMOE_DEV_SM90_MID";
+
+fn mid_max_routes_per_expert() -> usize {
+    static CHOICE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(DEV_SM90_MID_ENV).as_deref() {
+        Err(_) | Ok("off") => 0,
+        Ok("on") => MID_TILE_MAX_ROUTES_PER_EXPERT,
+        Ok("wide") => 512,
+        Ok(other) => {
+            eprintln!("fmoe: {DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off");
+            0
+        }
+    })
+}
+
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200 sweep, BENCHMARKS.md): at 128
 /// a 128-row tile is full on average, and below it the smaller grid of large tiles loses.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 128;
@@ -181,14 +289,47 @@ impl GemmConfig {
     /// The variant for a batch of `num_routes` routes over `experts` experts on a device of
     /// compute capability `cc`. No tuning files: the choice is this rule.
     pub fn select(cc: (u32, u32), num_routes: usize, experts: usize) -> GemmConfig {
+        Self::select_with_mid(cc, num_routes, experts, mid_max_routes_per_expert())
+    }
+
+    /// [`Self::select`] with [`SM90_MID`] below `mid_max` routes per expert (0: never).
+    fn select_with_mid(
+        cc: (u32, u32),
+        num_routes: usize,
+        experts: usize,
+        mid_max: usize,
+    ) -> GemmConfig {
         if cc != (9, 0) {
             return MMA;
         }
-        if num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1) {
-            SM90_LARGE
-        } else {
+        let experts = experts.max(1);
+        if num_routes < LARGE_TILE_ROUTES_PER_EXPERT * experts {
             SM90_SMALL
+        } else if num_routes < mid_max * experts {
+            SM90_MID
+        } else {
+            SM90_LARGE
         }
+    }
+
+    /// The variant that runs routes aligned to `block_m` for a batch of `num_routes` routes over
+    /// `experts` experts: [`Self::select`]'s when its M tile matches (so [`SM90_MID`] and
+    /// [`SM90_SMALL`], both 64 rows, are told apart), else [`Self::for_block_m`]'s.
+    pub fn for_routes(
+        cc: (u32, u32),
+        block_m: usize,
+        num_routes: usize,
+        experts: usize,
+    ) -> Option<GemmConfig> {
+        let picked = Self::select(cc, num_routes, experts);
+        if picked.bm != block_m {
+            return Self::for_block_m(cc, block_m);
+        }
+        Some(match picked {
+            SM90_LARGE => sm90_large(),
+            SM90_MID => sm90_mid(),
+            _ => picked,
+        })
     }
 
     /// The variant that consumes routes aligned to `block_m` on a device of capability `cc`.
@@ -205,7 +346,9 @@ impl GemmConfig {
     pub const fn b_rows(&self) -> usize {
         match self.kind {
             GemmKind::Mma => 128,
-            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma => self.wg_n,
+            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => {
+                self.wg_n
+            }
         }
     }
     /// Output columns per block: GEMM1 (MODE 1) pairs half its weight rows (gate) with the other
@@ -221,14 +364,14 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
-            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => 384,
+            GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => 384,
         }
     }
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
         (match self.kind {
             GemmKind::Mma => self.stages * (64 + 128) * (self.bk + 8) * 2,
-            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma => {
+            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => {
                 self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024
             }
         }) as u32
@@ -238,6 +381,7 @@ impl GemmConfig {
             GemmKind::Mma => (GEMM_FAMILY, GEMM_SRC),
             GemmKind::Sm90 => (GEMM_SM90_FAMILY, GEMM_SM90_SRC),
             GemmKind::Sm90Ws | GemmKind::Sm90WsTma => (GEMM_SM90_WS_FAMILY, GEMM_SM90_WS_SRC),
+            GemmKind::Sm90Pipe { .. } => (GEMM_SM90_PIPE_FAMILY, GEMM_SM90_PIPE_SRC),
         }
     }
     fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
@@ -261,6 +405,16 @@ impl GemmConfig {
                 if self.kind == GemmKind::Sm90WsTma {
                     d.push(("B_TMA", "1".to_string()));
                 }
+            }
+            GemmKind::Sm90Pipe {
+                persistent,
+                dynamic,
+            } => {
+                d.push(("STAGES", self.stages.to_string()));
+                d.push(("RASTER_GM", self.raster_gm.to_string()));
+                d.push(("BM", self.bm.to_string()));
+                d.push(("PERSIST", u32::from(persistent).to_string()));
+                d.push(("DYNAMIC", u32::from(dynamic).to_string()));
             }
         }
         d
@@ -301,6 +455,8 @@ const GEMM_SM90_FAMILY: &str = "moe_gemm_bf16_sm90";
 const GEMM_SM90_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90.cu");
 const GEMM_SM90_WS_FAMILY: &str = "moe_gemm_bf16_sm90_ws";
 const GEMM_SM90_WS_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_ws.cu");
+const GEMM_SM90_PIPE_FAMILY: &str = "moe_gemm_bf16_sm90_pipe";
+const GEMM_SM90_PIPE_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_pipe.cu");
 const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
 pub(super) const GLUE_FAMILY: &str = "moe_unfused";
 pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
@@ -314,11 +470,29 @@ pub(super) const GLUE_ENTRIES: [&str; 5] = [
     "fmoe_silu_mul_f32",
 ];
 
-/// Every bf16 GEMM variant ([`MMA`], [`SM90_SMALL`], [`SM90_LARGE`], both modes) and the glue.
+/// Every bf16 GEMM variant ([`MMA`], [`SM90_SMALL`], [`SM90_MID`], [`SM90_LARGE`] and its
+/// experiments, both modes) and the glue.
 pub(super) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
     let experiments = SM90_LARGE_EXPERIMENTS.iter().map(|(_, c)| *c);
-    for cfg in [MMA, SM90_SMALL].into_iter().chain(experiments) {
+    // SM90_MID takes the schedule of a pipe experiment (`sm90_mid`).
+    let mids = SM90_LARGE_EXPERIMENTS
+        .iter()
+        .filter_map(|(_, c)| match c.kind {
+            kind @ GemmKind::Sm90Pipe { .. } => Some(GemmConfig { kind, ..SM90_MID }),
+            _ => None,
+        });
+    let mut seen: Vec<GemmConfig> = Vec::new();
+    for cfg in [MMA, SM90_SMALL, SM90_MID]
+        .into_iter()
+        .chain(experiments)
+        .chain(mids)
+    {
+        // "default" is also one of the named experiments.
+        if seen.contains(&cfg) {
+            continue;
+        }
+        seen.push(cfg);
         let (family, source) = cfg.source();
         for mode in [1, 2] {
             v.push(KernelVariant {
@@ -436,7 +610,9 @@ fn route_buffers<'a>(
     let cc = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?
         .backend()
         .compute_capability();
-    let Some(cfg) = GemmConfig::for_block_m(cc, routes.block_m) else {
+    let Some(cfg) =
+        GemmConfig::for_routes(cc, routes.block_m, routes.num_routes, routes.num_experts)
+    else {
         return Err(Error::invalid(
             op,
             format!(
@@ -593,6 +769,22 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
+    // The tile space, as the pipe kernel takes it; the persistent one walks it with a block per SM.
+    let (n_tiles32, m_blocks32, splits32) = (grid.0, grid.1, grid.2);
+    let grid = match cfg.kind {
+        GemmKind::Sm90Pipe {
+            persistent: true, ..
+        } => {
+            let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
+            let sms = backend.multiprocessor_count() as usize;
+            (
+                u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
+                1,
+                1,
+            )
+        }
+        _ => grid,
+    };
     let launch = LaunchConfig {
         grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),
@@ -618,12 +810,27 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
     let b_map;
-    if cfg.kind == GemmKind::Sm90WsTma {
-        // All experts' rows; MODE 1 loads the gate and the up half of a tile as two boxes.
+    if matches!(cfg.kind, GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. }) {
+        // All experts' rows; MODE 1 loads the gate and the up half of each MMA warpgroup's
+        // weight rows as two boxes (of 128 rows for BM = 128, of 64 for the pipe kernel's BM = 64).
         let rows = g.w.len() / g.kd.max(1);
-        let box_rows = if g.mode == 1 { cfg.wg_n / 2 } else { cfg.wg_n };
+        let box_rows = if g.mode == 1 {
+            cfg.wg_n * cfg.bm / 256
+        } else {
+            cfg.wg_n
+        };
         b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
+    }
+    let counter;
+    if let GemmKind::Sm90Pipe { dynamic, .. } = cfg.kind {
+        b.arg(&n_tiles32).arg(&m_blocks32).arg(&splits32);
+        if dynamic {
+            counter = CudaStorage::zeros(backend, DType::U32, 1)?;
+            b.arg(counter.buffer());
+        } else {
+            b.arg(&null);
+        }
     }
     // SAFETY: the arguments match `fmoe_moe_gemm_bf16`'s parameters in order and type (pointers,
     // then four u32), in both sources. The callers checked: `a` is bf16 with kd columns and
@@ -635,7 +842,9 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // sizes the kernel indexes (y32 zeroed, as split-K adds into it); the unused pointer of each
     // mode is null and never dereferenced; MODE 1 runs with gridDim.z = 1; the dynamic shared
     // memory is the source's formula for these defines, opted in above 48 KiB. `Sm90WsTma` takes
-    // one more argument, the weights' tensor map, pushed above.
+    // one more argument, the weights' tensor map, pushed above; `Sm90Pipe` that, the tile space
+    // (three u32; its grid covers it, or walks it when persistent) and the tile counter, a zeroed
+    // u32 the dynamic schedule increments once per claimed tile (null otherwise, never read).
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
 }
@@ -913,6 +1122,14 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
         assert_eq!(GemmConfig::select((10, 0), 1 << 20, 8), MMA); // sm_90a code does not run there
+        // The 64-row prefill tiles, when turned on: from 128 routes per expert up to mid_max.
+        let mid = |r, e| GemmConfig::select_with_mid(h, r, e, MID_TILE_MAX_ROUTES_PER_EXPERT);
+        assert_eq!(mid(127 * 8, 8), SM90_SMALL);
+        assert_eq!(mid(128 * 8, 8), SM90_MID);
+        assert_eq!(mid(4096 * 8, 256), SM90_MID); // DeepSeek-V3, M = 4096
+        assert_eq!(mid(255 * 8, 8), SM90_MID);
+        assert_eq!(mid(256 * 8, 8), SM90_LARGE);
+        assert_eq!(GemmConfig::select_with_mid((8, 0), 128 * 8, 8, 256), MMA);
     }
 
     #[test]
@@ -937,9 +1154,24 @@ mod select_tests {
         assert_eq!(GemmConfig::for_block_m((8, 9), 64), Some(MMA));
         assert_eq!(GemmConfig::for_block_m((8, 9), 128), None);
         assert_eq!(GemmConfig::for_block_m((9, 0), 16), None);
+        // Routes aligned to 64 rows run SM90_SMALL unless the rule picked SM90_MID (off here).
+        assert_eq!(GemmConfig::for_routes((9, 0), 64, 2, 8), Some(SM90_SMALL));
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 64, 128 * 8, 8),
+            Some(SM90_SMALL)
+        );
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 64, 4096 * 8, 8),
+            Some(SM90_SMALL)
+        );
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 128, 4096 * 8, 8),
+            Some(SM90_LARGE)
+        );
+        assert_eq!(GemmConfig::for_routes((8, 9), 64, 4096 * 8, 8), Some(MMA));
         // Shared memory stays within the 227 KiB a Hopper block may opt into.
-        for cfg in [SM90_SMALL, SM90_LARGE, MMA] {
-            assert!(cfg.smem_bytes() <= 227 * 1024, "{cfg:?}");
+        for cfg in [SM90_SMALL, SM90_MID, SM90_LARGE, MMA] {
+            assert!(cfg.smem_bytes() + 2048 <= 227 * 1024, "{cfg:?}");
         }
         // The dev experiments replace SM90_LARGE: same M tile, within the limit (static shared
         // memory of the warp-specialized kernel included), distinct names, "default" first.

@@ -37,7 +37,8 @@ mod tma;
 
 pub use cuda::{
     BM as CUDA_BLOCK_M, GemmConfig, GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE,
-    LARGE_TILE_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_SMALL,
+    LARGE_TILE_ROUTES_PER_EXPERT, MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID,
+    SM90_SMALL,
 };
 pub use cuda_fp8::{
     FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL,
@@ -54,7 +55,7 @@ pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
 
 /// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
 pub(crate) fn cuda_block_ms() -> Vec<usize> {
-    let mut bms: Vec<usize> = [MMA, SM90_SMALL, SM90_LARGE]
+    let mut bms: Vec<usize> = [MMA, SM90_SMALL, SM90_MID, SM90_LARGE]
         .iter()
         .map(|c| c.bm)
         .chain(

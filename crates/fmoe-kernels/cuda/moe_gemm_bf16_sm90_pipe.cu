@@ -1,0 +1,315 @@
+// moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM of
+// moe_gemm_bf16_sm90_ws.cu (B_TMA=1) with a loader that never waits for its own copies, optionally
+// persistent. Same MODEs and contract; three more u32 arguments (n_tiles, m_blocks, splits: the
+// tile space the grid covers) after the tensor map. sm_90a only; WG_N = 256, BM = 128 or 64.
+//
+// Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
+// `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
+// STAGES stages can be in flight (the ws kernel waits for stage s-1 before issuing s+1: two in
+// flight, and the gather's L2 latency showed through). Thread 0 adds the weight tile by TMA. The
+// MMA warpgroups fence the async proxy after `full[s]` (cp.async writes through the generic proxy).
+//
+// PERSIST=1: gridDim.x blocks walk the tiles in the same grouped order (RASTER_GM M blocks per
+// group, M fastest); the ring and its phases continue across tiles, so the loader fills the next
+// tile's stages while the MMA warps run the epilogue of this one, and no block launch or pipeline
+// fill sits between tiles. Block b takes tile b first, then t = b + i * gridDim.x (DYNAMIC=0), or
+// (DYNAMIC=1) the next tile of a global counter (`tile_counter`, zeroed by the host; tile ids from
+// gridDim.x on), which keeps the SMs balanced like the hardware's block scheduler does: loader
+// thread 0 claims it and hands it to the other loaders (named barrier) and to the MMA warps (a
+// two-slot ring of tile ids with its own mbarriers). PERSIST=0: one tile per block, the grid is
+// (n_tiles, m_blocks, splits).
+//
+// Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256).
+// BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
+// then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
+//
+// Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
+
+#include <cuda_bf16.h>
+
+#include "common/async_copy.cuh"
+#include "common/atomics.cuh"
+#include "common/math.cuh"
+#include "common/sm90_pipeline.cuh"
+#include "common/sm90_wgmma.cuh"
+
+#ifndef MODE
+#define MODE 1
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef RASTER_GM
+#define RASTER_GM 16
+#endif
+#ifndef BM
+#define BM 128
+#endif
+#ifndef PERSIST
+#define PERSIST 0
+#endif
+#ifndef DYNAMIC
+#define DYNAMIC 0
+#endif
+#define WG_N 256
+#define BK 64
+#define NTHREADS 384
+#define LOADERS 128
+#define A_BYTES (BM * BK * 2)
+#define B_BYTES (WG_N * BK * 2)
+#define STAGE_BYTES (A_BYTES + B_BYTES)
+#define NO_ROW 0xFFFFFFFFu
+// MMA warpgroups along M and the weight rows each one multiplies.
+#define CONS_M (BM / 64)
+#define CW_N (WG_N * CONS_M / 2)
+#define A_PER_THREAD (BM * 8 / LOADERS)
+
+static_assert(BM == 64 || BM == 128, "two MMA warpgroups: 2 x 64 rows or 64 rows x 2 halves of N");
+static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
+
+// Arrives on `bar` once every cp.async this thread issued so far has landed; counts as one of the
+// barrier's expected arrivals (.noinc).
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned int bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Tile t of the (n_tiles x m_blocks x splits) space in grouped order (raster_grouped of
+// moe_tile.cuh, with the split slowest).
+struct PipeTile {
+    unsigned int n_tile, m_block, split;
+};
+__device__ __forceinline__ PipeTile pipe_tile(unsigned int t, unsigned int n_tiles, unsigned int m_blocks) {
+    const unsigned int per_split = n_tiles * m_blocks;
+    const unsigned int split = t / per_split, lin = t - split * per_split;
+    const unsigned int group = lin / (RASTER_GM * n_tiles), rem = lin - group * (RASTER_GM * n_tiles);
+    const unsigned int m_first = group * RASTER_GM, rows = min((unsigned int)RASTER_GM, m_blocks - m_first);
+    return {rem / rows, m_first + rem % rows, split};
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
+                   const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
+                   const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
+                   __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
+                   unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
+                   unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+#if DYNAMIC
+    // Tile ids from the loader to the MMA warps: slot j % 2 holds the block's j-th tile.
+    __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
+    __shared__ unsigned int tile_ring[2];
+#endif
+
+    const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned int g = lane >> 2, t4 = lane & 3, wg = tid >> 7;
+    const unsigned int raw = static_cast<unsigned int>(__cvta_generic_to_shared(smem_raw));
+    const unsigned int ring = (raw + 1023) & ~1023u;
+    const unsigned int full0 = static_cast<unsigned int>(__cvta_generic_to_shared(full_bar));
+    const unsigned int empty0 = static_cast<unsigned int>(__cvta_generic_to_shared(empty_bar));
+    const unsigned int all_ktiles = (kd + BK - 1) / BK, per_split = (all_ktiles + splits - 1) / splits;
+    const unsigned int m_total = *total;
+    const unsigned int tiles = n_tiles * m_blocks * splits;
+#if DYNAMIC
+#elif PERSIST
+    const unsigned int t_first = blockIdx.x, t_step = gridDim.x;
+#else
+    const unsigned int t_first = blockIdx.x + n_tiles * (blockIdx.y + m_blocks * blockIdx.z), t_step = tiles;
+#endif
+#if MODE == 1
+    const unsigned long long w_rows = 2ull * n_out;
+#else
+    const unsigned long long w_rows = n_out;
+#endif
+
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, LOADERS);
+            mbar_init(empty0 + 8 * s, 8);  // one arrival per MMA warp
+        }
+#if DYNAMIC
+        for (int j = 0; j < 2; ++j) {
+            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_full[j])), 1);
+            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 8);
+        }
+#endif
+    }
+    __syncthreads();
+#if DYNAMIC
+    const unsigned int tfull0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_full));
+    const unsigned int tempty0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_empty));
+#endif
+
+    // it: K tiles this block has run through the ring so far (slot it % STAGES, phase it / STAGES).
+    unsigned int it = 0;
+    if (wg == 0) {
+        // Loader warpgroup: chunk (tid & 7) of rows (tid >> 3) + 16 i of every A tile.
+        const unsigned int ch = tid & 7;
+#if DYNAMIC
+        for (unsigned int j = 0;; ++j) {
+            // Claim the block's j-th tile and publish it to the loaders and the MMA warps.
+            if (tid == 0) {
+                if (j >= 2) mbar_wait(tempty0 + 8 * (j & 1), ((j >> 1) - 1) & 1);
+                tile_ring[j & 1] = j == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);
+                mbar_arrive(tfull0 + 8 * (j & 1));
+            }
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            const unsigned int t = tile_ring[j & 1];
+            // The loaders have read slot j & 1 before thread 0 may refill it (two claims later,
+            // after another bar.sync).
+            if (t >= tiles) break;
+#else
+        for (unsigned int t = t_first; t < tiles; t += t_step) {
+#endif
+            const PipeTile tc = pipe_tile(t, n_tiles, m_blocks);
+            const unsigned int m0 = tc.m_block * BM;
+            const unsigned int first = tc.split * per_split;
+            const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
+            if (m0 >= m_total || ktiles == 0) continue;
+            const unsigned int e = block_experts[tc.m_block];
+#if MODE == 1
+            const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * (WG_N / 2));
+#else
+            const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * WG_N);
+#endif
+            unsigned int a_row[A_PER_THREAD];
+#pragma unroll
+            for (int i = 0; i < A_PER_THREAD; ++i) {
+                const unsigned int rt = sorted_routes[m0 + (tid >> 3) + 16 * i];
+#if MODE == 1
+                a_row[i] = rt < num_routes ? rt / top_k : NO_ROW;
+#else
+                a_row[i] = rt < num_routes ? rt : NO_ROW;
+#endif
+            }
+            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                // Slot s last held K tile it - STAGES: wait until the MMA warps released it.
+                if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                const unsigned int sa = ring + s * STAGE_BYTES, k0 = (first + kt) * BK, full_s = full0 + 8 * s;
+                if (tid == 0) {
+                    // Expected before this thread's own arrival, so the phase cannot complete
+                    // without these bytes.
+                    mbar_expect_tx(full_s, B_BYTES);
+#if MODE == 1
+#pragma unroll
+                    for (int h = 0; h < WG_N / CW_N; ++h) {
+                        const unsigned int dst = sa + A_BYTES + h * CW_N * 128;
+                        tma_load_2d(dst, &b_map, (int)k0, row0 + h * (CW_N / 2), full_s);
+                        tma_load_2d(dst + (CW_N / 2) * 128, &b_map, (int)k0, row0 + (int)n_out + h * (CW_N / 2),
+                                    full_s);
+                    }
+#else
+                    tma_load_2d(sa + A_BYTES, &b_map, (int)k0, row0, full_s);
+#endif
+                }
+                const unsigned int col = k0 + ch * 8;
+#pragma unroll
+                for (int i = 0; i < A_PER_THREAD; ++i) {
+                    const unsigned int r = (tid >> 3) + 16 * i;
+                    const bool ok = a_row[i] != NO_ROW && col < kd;
+                    cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)a_row[i] * kd + col : 0), ok);
+                }
+                cp_async_arrive_noinc(full_s);
+            }
+        }
+        // The last stages' arrivals are tied to these copies; let them land before the warps exit.
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+        return;
+    }
+
+    // MMA warpgroups 1 and 2.
+    const unsigned int cw = wg - 1;
+    const unsigned int cm = BM == 128 ? cw : 0, cn = BM == 128 ? 0 : cw;
+#if DYNAMIC
+    for (unsigned int j = 0;; ++j) {
+        mbar_wait(tfull0 + 8 * (j & 1), (j >> 1) & 1);
+        const unsigned int t = tile_ring[j & 1];
+        __syncwarp();
+        if (lane == 0) mbar_arrive(tempty0 + 8 * (j & 1));
+        if (t >= tiles) break;
+#else
+    for (unsigned int t = t_first; t < tiles; t += t_step) {
+#endif
+        const PipeTile tc = pipe_tile(t, n_tiles, m_blocks);
+        const unsigned int m0 = tc.m_block * BM;
+        const unsigned int first = tc.split * per_split;
+        const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
+        if (m0 >= m_total || ktiles == 0) continue;
+
+        float acc[CW_N / 2];
+#pragma unroll
+        for (int i = 0; i < CW_N / 2; ++i) acc[i] = 0.0f;
+        for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+            const unsigned int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            fence_proxy_async_shared();
+            const unsigned int sa = ring + s * STAGE_BYTES + cm * (64 * 128);
+            const unsigned int sb = ring + s * STAGE_BYTES + A_BYTES + cn * (CW_N * 128);
+            const unsigned long long da = smem_desc(sa), db = smem_desc(sb);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < BK / 16; ++ks) {
+#if BM == 128
+                wgmma_m64n256k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
+#else
+                wgmma_m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
+#endif
+            }
+            wgmma_commit();
+            // The group of the previous K tile has retired: its slot goes back to the loader.
+            wgmma_wait<1>();
+            if (kt > 0) {
+                __syncwarp();
+                if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+            }
+        }
+        wgmma_wait<0>();
+        wgmma_fence_operands<CW_N / 2>(acc);
+        // The last K tile's slot too: the loader may already be filling the next tile's stages.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+
+        // Epilogue. acc[4j + q]: row 64 cm + 16 (warp % 4) + g (+8 for q >= 2), column 8j + 2t + (q & 1)
+        // of this warpgroup's CW_N weight rows.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const unsigned int rt = sorted_routes[m0 + cm * 64 + (warp & 3) * 16 + g + half * 8];
+            if (rt >= num_routes) continue;
+#if MODE == 1
+            const unsigned int nb = tc.n_tile * (WG_N / 2) + cn * (CW_N / 2);
+#pragma unroll
+            for (int j = 0; j < CW_N / 16; ++j) {
+                const unsigned int n = nb + j * 8 + 2 * t4;
+                const float g0 = acc[4 * j + 2 * half], g1 = acc[4 * j + 2 * half + 1];
+                const float u0 = acc[4 * (j + CW_N / 16) + 2 * half], u1 = acc[4 * (j + CW_N / 16) + 2 * half + 1];
+                __nv_bfloat16* dst = h_out + (unsigned long long)rt * n_out + n;
+                if (n + 1 < n_out && (n_out & 1) == 0) {
+                    // Two adjacent columns in one 4-byte store (n even, row start even).
+                    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+                } else {
+                    if (n < n_out) dst[0] = __float2bfloat16(silu(g0) * u0);
+                    if (n + 1 < n_out) dst[1] = __float2bfloat16(silu(g1) * u1);
+                }
+            }
+#else
+            const unsigned int nb = tc.n_tile * WG_N + cn * CW_N;
+            const float wt = topk_weights[rt];
+            float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
+#pragma unroll
+            for (int j = 0; j < CW_N / 8; ++j) {
+                const unsigned int c = nb + j * 8 + 2 * t4;
+                const float v0 = wt * acc[4 * j + 2 * half], v1 = wt * acc[4 * j + 2 * half + 1];
+                if (c + 1 < n_out && (n_out & 1) == 0) {
+                    // One 8-byte reduction (c even, row start even).
+                    red_add_v2(yrow + c, v0, v1);
+                } else {
+                    if (c < n_out) atomicAdd(yrow + c, v0);
+                    if (c + 1 < n_out) atomicAdd(yrow + c + 1, v1);
+                }
+            }
+#endif
+        }
+    }
+}
