@@ -98,7 +98,7 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
 
 /// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route. The
 /// pipe kernel (loader with every stage in flight, GEMM2 with vector reductions), persistent,
-/// tiles claimed from a counter in grouped order (H200, BENCHMARKS.md: 1.18–1.25× faster than
+/// tiles claimed from a counter in grouped order (H200, BENCHMARKS.md: 1.19–1.27× faster than
 /// [`SM90_WS_TMA`] at M = 1024–16384 on Mixtral-8x7B/8x22B and DeepSeek-V3 at 16384; the
 /// non-persistent "pipe" and the fixed-stride "persist" are within the run-to-run noise of it).
 pub const SM90_LARGE: GemmConfig = GemmConfig {
@@ -236,8 +236,8 @@ fn sm90_large() -> GemmConfig {
 /// with ~128 routes per expert, 128-row tiles leave about half the experts a second, mostly
 /// empty tile (DeepSeek-V3 at M = 4096: 1.5× the routes' FLOPs), 64-row tiles about 1.25×. Off
 /// unless [`DEV_SM90_MID_ENV`] turns it on: on the H200 the 64 × 256 tile loses about what the
-/// padding saves (DeepSeek-V3 M = 4096: 8.47–9.3 ms vs 8.43–8.54 with 128-row tiles; Mixtral at
-/// M = 1024, 256 routes per expert: 1.68 vs 1.35 ms).
+/// padding saves (DeepSeek-V3 M = 4096: 8.47–9.3 ms vs 8.43–8.54 with 128-row tiles; Mixtral-8x7B
+/// at M = 1024, 256 routes per expert: 1.68 vs 1.35 ms).
 pub const SM90_MID: GemmConfig = GemmConfig {
     kind: GemmKind::Sm90Pipe {
         persistent: true,
