@@ -1,7 +1,7 @@
 // moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM of
 // moe_gemm_bf16_sm90_ws.cu (B_TMA=1) with a loader that never waits for its own copies, optionally
-// persistent. Same MODEs and contract; three more u32 arguments (n_tiles, m_blocks, splits: the
-// tile space the grid covers) after the tensor map. sm_90a only; WG_N = 256, BM = 128 or 64.
+// persistent. Same MODEs and contract; after the tensor map three more u32 (n_tiles, m_blocks,
+// splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256, BM = 128 or 64.
 //
 // Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
 // `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
