@@ -55,12 +55,36 @@ const SMALL: &[Case] = &[
     case(300, 8, 1040, 1008, 2),
 ];
 
-/// M = 2048: per-tensor large tiles (≥ 128 routes per expert: E = 8 and 16), E = 256 top-8.
+/// M = 2048: the large (warp-specialized) variants of both schemes (≥ 128 routes per expert:
+/// E = 8 and 16; ragged K = 1040 and N = 1008, N = 384 not a multiple of 256), E = 256 top-8
+/// (small tiles).
 const LARGE: &[Case] = &[
     case(2048, 8, 1040, 1008, 2),
     case(2048, 16, 512, 384, 4),
     case(2048, 256, 400, 144, 8),
 ];
+
+/// Large variants at their edges: exactly 128 routes per expert with GEMM2's reduction
+/// N = 2064 split over 4 K ranges (17 K blocks, the last ragged; N % 128 = 16, so GEMM1's up rows
+/// straddle two weight blocks); and, with [`skewed`] routing, 2048 routes on 16 experts of which
+/// only the first 8 get any (ragged N = 400, K = 384: GEMM2's second N tile half past K).
+const LARGE_EDGES: &[(Case, bool)] = &[
+    (case(1024, 8, 256, 2064, 1), false),
+    (case(1024, 16, 384, 400, 2), true),
+];
+
+/// Routing logits that send every token to the first half of the experts (the others get no
+/// routes), keeping the average per expert for the variant choice.
+fn skewed(c: &Case, mut inp: Inputs) -> Inputs {
+    let mut l = inp.logits.to_f32_vec().unwrap();
+    for (i, v) in l.iter_mut().enumerate() {
+        if i % c.e >= c.e / 2 {
+            *v -= 30.0;
+        }
+    }
+    inp.logits = Tensor::from_vec(l, [c.m, c.e], &CPU).unwrap();
+    inp
+}
 
 /// A layer of `scheme` on CUDA from dense bf16 device weights (quantized on the device).
 fn gpu_layer(
@@ -187,6 +211,29 @@ fn large_fp8_layers_match_the_f64_reference() {
         return;
     }
     run_cases(LARGE, 18_000);
+}
+
+#[test]
+fn large_fp8_layers_at_the_edges_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    for (i, (c, skew)) in LARGE_EDGES.iter().enumerate() {
+        let inp = inputs(c, 18_500 + i as u64);
+        let inp = if *skew { skewed(c, inp) } else { inp };
+        check_case(&format!("{c:?} skewed={skew}"), c, &inp);
+    }
+}
+
+/// One large layer (both schemes' warp-specialized kernels, split-K GEMM2, ragged tiles) for
+/// `compute-sanitizer --tool memcheck`.
+#[test]
+fn sanitizer_large_fp8_layer() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(1024, 8, 144, 1040, 1);
+    check_case(&format!("{c:?}"), &c, &inputs(&c, 19_500));
 }
 
 /// A few tiny layers for `compute-sanitizer --tool memcheck` (every kernel of both methods and

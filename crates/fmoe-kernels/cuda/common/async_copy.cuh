@@ -19,6 +19,13 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
     cp_async16(static_cast<unsigned int>(__cvta_generic_to_shared(smem)), gmem, pred);
 }
 
+// 4 bytes (.ca: the only cache mode below 16 bytes), zero-filled when pred == false: the group
+// scales that travel with an A tile (moe_gemm_fp8_sm90_ws.cu).
+__device__ __forceinline__ void cp_async4(unsigned int smem, const void* gmem, bool pred) {
+    int n = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem), "l"(gmem), "r"(n));
+}
+
 // Closes the copies issued since the last commit into one group. The kernels commit once per
 // stage, empty groups included, so the count passed to cp_async_wait stays uniform.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }

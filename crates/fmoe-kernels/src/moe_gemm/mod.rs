@@ -41,8 +41,8 @@ pub use cuda::{
     SM90_SMALL,
 };
 pub use cuda_fp8::{
-    FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL,
-    Fp8GemmConfig, Fp8Scheme,
+    DEV_FP8_LARGE_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE,
+    FP8_TENSOR_LARGE, FP8_TENSOR_SMALL, FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme,
 };
 pub use operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 
@@ -58,11 +58,7 @@ pub(crate) fn cuda_block_ms() -> Vec<usize> {
     let mut bms: Vec<usize> = [MMA, SM90_SMALL, SM90_MID, SM90_LARGE]
         .iter()
         .map(|c| c.bm)
-        .chain(
-            [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED]
-                .iter()
-                .map(|c| c.bm),
-        )
+        .chain(cuda_fp8::ALL.iter().map(|c| c.bm))
         .collect();
     bms.sort_unstable();
     bms.dedup();
@@ -94,8 +90,8 @@ pub fn block_m(
 }
 
 /// The `block_m` the fused GEMMs need for weights `w13` (its operand kind picks the kernel): on
-/// CUDA the M tile of [`GemmConfig::select`] (bf16) or [`Fp8GemmConfig::select`] (fp8: 64 or 128
-/// per-tensor, 64 block-scaled); on the CPU `cpu_block_m`.
+/// CUDA the M tile of [`GemmConfig::select`] (bf16) or [`Fp8GemmConfig::select`] (fp8: 64 below
+/// 128 routes per expert, 128 from there); on the CPU `cpu_block_m`.
 pub fn block_m_for(
     device: Device,
     cpu_block_m: usize,

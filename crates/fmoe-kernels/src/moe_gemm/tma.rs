@@ -21,17 +21,21 @@ unsafe impl DeviceRepr for TensorMapArg {}
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum TmaElem {
     Bf16,
+    /// fp8 codes (e4m3), as bytes: the copy engine only moves them.
+    Fp8,
 }
 
 impl TmaElem {
     const fn bytes(self) -> usize {
         match self {
             TmaElem::Bf16 => 2,
+            TmaElem::Fp8 => 1,
         }
     }
     const fn data_type(self) -> sys::CUtensorMapDataType {
         match self {
             TmaElem::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            TmaElem::Fp8 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
         }
     }
 }

@@ -10,6 +10,7 @@ use super::{Fp8GemmConfig, Fp8Scheme};
 use crate::launch::{cuda_storage, opt_in_smem};
 use crate::moe_align::AlignedRoutes;
 use crate::moe_gemm::cuda::{GemmGrid, gemm_grid};
+use crate::moe_gemm::tma::{TmaElem, weight_tensor_map};
 use crate::moe_gemm::{ActOperand, WeightOperand};
 use crate::nvrtc;
 use crate::{Error, Result};
@@ -90,11 +91,7 @@ pub(super) fn fp8_routes<'a>(
             format!(
                 "routes are aligned to block_m = {}; the CUDA {scheme:?} fp8 GEMM takes {} (its M \
                  tiles)",
-                routes.block_m,
-                match scheme {
-                    Fp8Scheme::PerTensor => "64 or 128",
-                    Fp8Scheme::Block => "64",
-                }
+                routes.block_m, "64 or 128"
             ),
         ));
     };
@@ -280,6 +277,13 @@ pub(super) fn launch(
         }
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
+    let b_map;
+    if cfg.ws {
+        // All experts' rows; each tile is two boxes of 128 rows (gate and up, or two halves).
+        let rows = g.weight.q.len() / g.kd.max(1);
+        b_map = weight_tensor_map(op, g.weight.q, TmaElem::Fp8, rows, g.kd, 128)?;
+        b.arg(&b_map);
+    }
     // SAFETY: the arguments match the entry's parameters in order and type (pointers, then four
     // u32) for the compiled scheme, as written out above. The callers checked: the activation codes
     // are e4m3 [rows, kd] with rows = num_routes / top_k (MODE 1) or num_routes (MODE 2) and their
@@ -294,7 +298,8 @@ pub(super) fn launch(
     // num_routes f32 and y32 (num_routes / top_k)·n_out f32, zeroed since split-K and the top-k
     // sum add into it; each mode's unused pointers are null and never dereferenced by that mode;
     // MODE 1 runs with gridDim.z = 1; the dynamic shared memory is the source's formula for these
-    // defines, opted in above 48 KiB (≤ 227 KiB).
+    // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take one
+    // more argument, the weights' tensor map over [E · rows, kd] codes, pushed above.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
     Ok(())
 }

@@ -15,11 +15,23 @@
 //! - per-tensor, small ([`FP8_TENSOR_SMALL`]): BM 64, WG_N 128, 4 stages, **PROMOTE=1** (the
 //!   tensor-core sums of each 128-wide K tile are added into f32 registers: ~2e-4 relative GEMM
 //!   error instead of ~2e-3, free while bandwidth-bound);
-//! - per-tensor, large ([`FP8_TENSOR_LARGE`]): BM 128, WG_N 256, 4 stages, unpromoted (the whole
-//!   reduction stays in the tensor-core accumulator: 1.3-1.6× faster when compute-bound, ~2e-3
-//!   GEMM error). So per-tensor results differ slightly with the batch size (the variant changes
-//!   at 128 routes per expert), by about that GEMM error, far below fp8's own ~6.5e-2;
-//! - block ([`FP8_BLOCK_SCALED`]): BM 64, 256 weight rows, 5 stages (always promoted).
+//! - per-tensor, large ([`FP8_TENSOR_LARGE`]): `cuda/moe_gemm_fp8_sm90_ws.cu`, 128 × 256 tiles,
+//!   warp-specialized (one cp.async loader warpgroup gathering A by route, the weights through TMA,
+//!   two wgmma warpgroups, a 4-deep mbarrier ring, grouped tile order), unpromoted (the whole
+//!   reduction stays in the tensor-core accumulator, ~2e-3 GEMM error). So per-tensor results differ
+//!   slightly with the batch size (the variant changes at 128 routes per expert), by about that
+//!   GEMM error, far below fp8's own ~6.5e-2;
+//! - block, small ([`FP8_BLOCK_SCALED`]): `moe_gemm_fp8_block_sm90.cu`, BM 64, 256 weight rows,
+//!   5 stages (always promoted);
+//! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
+//!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's two
+//!   128-row halves in turn into a 64-register partial and promotes it; setmaxnreg 40 / 232), A's
+//!   group scales carried in the stage by the loaders.
+//!
+//! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
+//! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384.
+//! Dev-only [`DEV_FP8_LARGE_ENV`]`=sync` brings those back for comparison ([`FP8_TENSOR_SYNC`],
+//! and [`FP8_BLOCK_SCALED`] at every size).
 //!
 //! Fused pipeline (what [`gemm1_quant`] and [`gemm2`] launch, the layer aligning routes with the
 //! variant's `block_m` first):
@@ -88,8 +100,14 @@ pub struct Fp8GemmConfig {
     pub wg_n: usize,
     /// cp.async ring depth (`-D STAGES`).
     pub stages: usize,
-    /// Per-tensor: `-D PROMOTE` (WG_N 128 only). The block kernel always promotes.
+    /// Per-tensor: `-D PROMOTE` (WG_N 128 only). The block kernels always promote.
     pub promote: bool,
+    /// The warp-specialized kernel (`moe_gemm_fp8_sm90_ws.cu`: 128 × 256 tiles, one loader
+    /// warpgroup, weights through TMA, an mbarrier ring) instead of the kernel of its scheme whose
+    /// warpgroups all load and multiply.
+    pub ws: bool,
+    /// `ws` only: blocks take their tiles in groups of this many M blocks (`-D RASTER_GM`).
+    pub raster_gm: usize,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -99,25 +117,76 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     wg_n: 128,
     stages: 4,
     promote: true,
+    ws: false,
+    raster_gm: 0,
 };
 
-/// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles.
+/// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
+/// weights in grouped tile order.
 pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::PerTensor,
     bm: 128,
     wg_n: 256,
     stages: 4,
     promote: false,
+    ws: true,
+    raster_gm: 16,
 };
 
-/// Block-scaled: 64 × 256 tiles, 5 stages.
+/// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
+/// that both load and multiply, a block barrier per K tile, launch order). Kept as the dev
+/// experiment "sync" of [`DEV_FP8_LARGE_ENV`].
+pub const FP8_TENSOR_SYNC: Fp8GemmConfig = Fp8GemmConfig {
+    ws: false,
+    raster_gm: 0,
+    ..FP8_TENSOR_LARGE
+};
+
+/// Block-scaled, decode-sized batches: 64 × 256 tiles, 5 stages.
 pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 64,
     wg_n: 256,
     stages: 5,
     promote: true,
+    ws: false,
+    raster_gm: 0,
 };
+
+/// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
+/// promoted per 128-wide K block, grouped tile order.
+pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
+    scheme: Fp8Scheme::Block,
+    bm: 128,
+    wg_n: 256,
+    stages: 4,
+    promote: true,
+    ws: true,
+    raster_gm: 16,
+};
+
+/// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
+/// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
+/// only block kernel before), so one binary can time and test both (read once per process; not a
+/// user setting; "default" or unset = the warp-specialized kernels).
+pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
+
+/// Whether [`DEV_FP8_LARGE_ENV`] asks for the previous kernels (an unknown value is reported once
+/// on stderr and ignored).
+fn dev_sync() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
+        Err(_) | Ok("default") => false,
+        Ok("sync") => true,
+        Ok(other) => {
+            eprintln!(
+                "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\"]; using \
+                 the default"
+            );
+            false
+        }
+    })
+}
 
 const TENSOR_FAMILY: &str = "moe_gemm_fp8_sm90";
 const TENSOR_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_sm90.cu");
@@ -125,14 +194,24 @@ const TENSOR_ENTRY: &str = "fmoe_moe_gemm_fp8";
 const BLOCK_FAMILY: &str = "moe_gemm_fp8_block_sm90";
 const BLOCK_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_block_sm90.cu");
 const BLOCK_ENTRY: &str = "fmoe_moe_gemm_fp8_block";
+const WS_FAMILY: &str = "moe_gemm_fp8_sm90_ws";
+const WS_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_sm90_ws.cu");
 /// K and N must be multiples of this (16-byte rows of e4m3 codes).
 pub const FP8_K_MULTIPLE: usize = 16;
 
-/// Every fp8 GEMM variant ([`FP8_TENSOR_SMALL`], [`FP8_TENSOR_LARGE`], [`FP8_BLOCK_SCALED`], both
-/// modes); the glue kernels are listed with the bf16 ones.
+/// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
+pub(super) const ALL: [Fp8GemmConfig; 5] = [
+    FP8_TENSOR_SMALL,
+    FP8_TENSOR_LARGE,
+    FP8_TENSOR_SYNC,
+    FP8_BLOCK_SCALED,
+    FP8_BLOCK_LARGE,
+];
+
+/// [`ALL`], both modes, as catalog entries.
 pub(super) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
-    for cfg in [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED] {
+    for cfg in ALL {
         let (family, source, entry) = cfg.source();
         for mode in [1, 2] {
             v.push(KernelVariant {
@@ -149,20 +228,38 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        match scheme {
-            Fp8Scheme::Block => FP8_BLOCK_SCALED,
-            Fp8Scheme::PerTensor if num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1) => {
-                FP8_TENSOR_LARGE
-            }
-            Fp8Scheme::PerTensor => FP8_TENSOR_SMALL,
+        let large = num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1);
+        Self::select_with(scheme, large, dev_sync())
+    }
+
+    /// [`Self::select`] once the batch size is judged (`large`), with `sync` =
+    /// [`DEV_FP8_LARGE_ENV`] asking for the previous large-batch kernels.
+    const fn select_with(scheme: Fp8Scheme, large: bool, sync: bool) -> Fp8GemmConfig {
+        match (scheme, large, sync) {
+            (Fp8Scheme::PerTensor, false, _) => FP8_TENSOR_SMALL,
+            (Fp8Scheme::PerTensor, true, false) => FP8_TENSOR_LARGE,
+            (Fp8Scheme::PerTensor, true, true) => FP8_TENSOR_SYNC,
+            (Fp8Scheme::Block, true, false) => FP8_BLOCK_LARGE,
+            (Fp8Scheme::Block, _, _) => FP8_BLOCK_SCALED,
         }
     }
 
-    /// The variant of `scheme` that consumes routes aligned to `block_m`.
+    /// The variant of `scheme` that consumes routes aligned to `block_m` (per-tensor 128: the
+    /// one [`DEV_FP8_LARGE_ENV`] picks).
     pub fn for_block_m(scheme: Fp8Scheme, block_m: usize) -> Option<Fp8GemmConfig> {
-        [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED]
-            .into_iter()
-            .find(|c| c.scheme == scheme && c.bm == block_m)
+        Self::for_block_m_with(scheme, block_m, dev_sync())
+    }
+
+    fn for_block_m_with(scheme: Fp8Scheme, block_m: usize, sync: bool) -> Option<Fp8GemmConfig> {
+        let tensor_large = Self::select_with(Fp8Scheme::PerTensor, true, sync);
+        [
+            FP8_TENSOR_SMALL,
+            tensor_large,
+            FP8_BLOCK_SCALED,
+            FP8_BLOCK_LARGE,
+        ]
+        .into_iter()
+        .find(|c| c.scheme == scheme && c.bm == block_m)
     }
 
     /// Output columns per block: MODE 1 pairs gate with up rows (half the weight rows), MODE 2
@@ -177,29 +274,41 @@ impl Fp8GemmConfig {
     }
 
     pub const fn threads(&self) -> u32 {
-        match self.scheme {
-            Fp8Scheme::PerTensor => (self.bm / 64 * 128) as u32,
-            Fp8Scheme::Block => 256,
+        match (self.ws, self.scheme) {
+            (true, _) => 384,
+            (false, Fp8Scheme::PerTensor) => (self.bm / 64 * 128) as u32,
+            (false, Fp8Scheme::Block) => 256,
         }
     }
 
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
-        (match self.scheme {
-            Fp8Scheme::PerTensor => self.stages * (self.bm + self.wg_n) * 128 + 1024,
-            Fp8Scheme::Block => self.stages * (64 + 256) * 128 + 1024,
+        (match (self.ws, self.scheme) {
+            (true, _) => self.stages * (128 + 256) * 128 + 1024,
+            (false, Fp8Scheme::PerTensor) => self.stages * (self.bm + self.wg_n) * 128 + 1024,
+            (false, Fp8Scheme::Block) => self.stages * (64 + 256) * 128 + 1024,
         }) as u32
     }
 
+    /// (family, source, entry). The warp-specialized source has both schemes' entry points.
     fn source(&self) -> (&'static str, &'static str, &'static str) {
-        match self.scheme {
-            Fp8Scheme::PerTensor => (TENSOR_FAMILY, TENSOR_SRC, TENSOR_ENTRY),
-            Fp8Scheme::Block => (BLOCK_FAMILY, BLOCK_SRC, BLOCK_ENTRY),
+        match (self.ws, self.scheme) {
+            (true, Fp8Scheme::PerTensor) => (WS_FAMILY, WS_SRC, TENSOR_ENTRY),
+            (true, Fp8Scheme::Block) => (WS_FAMILY, WS_SRC, BLOCK_ENTRY),
+            (false, Fp8Scheme::PerTensor) => (TENSOR_FAMILY, TENSOR_SRC, TENSOR_ENTRY),
+            (false, Fp8Scheme::Block) => (BLOCK_FAMILY, BLOCK_SRC, BLOCK_ENTRY),
         }
     }
 
     fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
         let mut d = vec![("MODE", mode.to_string())];
+        if self.ws {
+            let block = u32::from(self.scheme == Fp8Scheme::Block);
+            d.push(("BLOCK_SCALED", block.to_string()));
+            d.push(("STAGES", self.stages.to_string()));
+            d.push(("RASTER_GM", self.raster_gm.to_string()));
+            return d;
+        }
         if self.scheme == Fp8Scheme::PerTensor {
             d.push(("WG_N", self.wg_n.to_string()));
         }
@@ -255,9 +364,29 @@ mod tests {
                 FP8_TENSOR_LARGE.n_tile(2),
                 FP8_TENSOR_LARGE.threads()
             ),
-            (128, 256, 256)
+            (128, 256, 384)
         );
         assert_eq!(FP8_TENSOR_LARGE.smem_bytes(), 4 * (128 + 256) * 128 + 1024);
+        assert_eq!(
+            (
+                FP8_TENSOR_SYNC.n_tile(1),
+                FP8_TENSOR_SYNC.n_tile(2),
+                FP8_TENSOR_SYNC.threads(),
+                FP8_TENSOR_SYNC.smem_bytes()
+            ),
+            (128, 256, 256, 4 * (128 + 256) * 128 + 1024)
+        );
+        // The warp-specialized kernels: one loader + two MMA warpgroups, 128 × 256 tiles.
+        assert_eq!(FP8_TENSOR_LARGE.threads(), 384);
+        assert_eq!(
+            (
+                FP8_BLOCK_LARGE.n_tile(1),
+                FP8_BLOCK_LARGE.n_tile(2),
+                FP8_BLOCK_LARGE.threads(),
+                FP8_BLOCK_LARGE.smem_bytes()
+            ),
+            (128, 256, 384, 4 * (128 + 256) * 128 + 1024)
+        );
         assert_eq!(
             (
                 FP8_BLOCK_SCALED.n_tile(1),
@@ -267,10 +396,24 @@ mod tests {
             (128, 256, 256)
         );
         assert_eq!(FP8_BLOCK_SCALED.smem_bytes(), 5 * 40_960 + 1024);
-        for c in [FP8_TENSOR_SMALL, FP8_TENSOR_LARGE, FP8_BLOCK_SCALED] {
+        for c in ALL {
             assert!(c.smem_bytes() <= 227 * 1024, "{c:?}");
             assert!(!c.promote || c.scheme == Fp8Scheme::Block || c.wg_n == 128);
+            // Warp-specialized: 128 × 256 tiles only.
+            assert!(!c.ws || (c.bm, c.wg_n) == (128, 256), "{c:?}");
         }
+        assert_eq!(
+            FP8_BLOCK_LARGE.defines(1),
+            [
+                ("MODE", "1".to_string()),
+                ("BLOCK_SCALED", "1".to_string()),
+                ("STAGES", "4".to_string()),
+                ("RASTER_GM", "16".to_string())
+            ]
+        );
+        assert_eq!(FP8_TENSOR_LARGE.source().2, FP8_TENSOR_SYNC.source().2);
+        assert_eq!(FP8_BLOCK_LARGE.source().2, FP8_BLOCK_SCALED.source().2);
+        assert_eq!(FP8_TENSOR_LARGE.source().0, FP8_BLOCK_LARGE.source().0);
         assert_eq!(
             FP8_TENSOR_SMALL.defines(1),
             [
@@ -303,7 +446,26 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 4096 * 8, 256),
             FP8_TENSOR_LARGE
         );
-        assert_eq!(Fp8GemmConfig::select(Block, 1 << 20, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 1 << 20, 8), FP8_BLOCK_LARGE);
+        assert_eq!(Fp8GemmConfig::select(Block, 127 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 128 * 8, 8), FP8_BLOCK_LARGE);
+        // The dev experiment "sync": the kernels before the warp-specialized ones.
+        assert_eq!(
+            Fp8GemmConfig::select_with(PerTensor, true, true),
+            FP8_TENSOR_SYNC
+        );
+        assert_eq!(
+            Fp8GemmConfig::select_with(Block, true, true),
+            FP8_BLOCK_SCALED
+        );
+        assert_eq!(
+            Fp8GemmConfig::select_with(PerTensor, false, true),
+            FP8_TENSOR_SMALL
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_block_m_with(PerTensor, 128, true),
+            Some(FP8_TENSOR_SYNC)
+        );
         assert_eq!(
             Fp8GemmConfig::for_block_m(PerTensor, 64),
             Some(FP8_TENSOR_SMALL)
@@ -316,7 +478,11 @@ mod tests {
             Fp8GemmConfig::for_block_m(Block, 64),
             Some(FP8_BLOCK_SCALED)
         );
-        assert_eq!(Fp8GemmConfig::for_block_m(Block, 128), None);
+        assert_eq!(
+            Fp8GemmConfig::for_block_m(Block, 128),
+            Some(FP8_BLOCK_LARGE)
+        );
+        assert_eq!(Fp8GemmConfig::for_block_m(Block, 16), None);
     }
 
     #[test]
