@@ -11,14 +11,15 @@
 //!   GEMM2 operand); MODE 2 as above.
 //!
 //! Variants ([`Fp8GemmConfig::select`], the bf16 rule of [`super::GemmConfig::select`]: large tiles
-//! from [`LARGE_TILE_ROUTES_PER_EXPERT`] routes per expert on average):
+//! from [`LARGE_TILE_ROUTES_PER_EXPERT`](super::cuda::LARGE_TILE_ROUTES_PER_EXPERT) routes per
+//! expert on average):
 //! - per-tensor, small ([`FP8_TENSOR_SMALL`]): BM 64, WG_N 128, 4 stages, **PROMOTE=1** (the
 //!   tensor-core sums of each 128-wide K tile are added into f32 registers: ~2e-4 relative GEMM
 //!   error instead of ~2e-3, free while bandwidth-bound);
 //! - per-tensor, large ([`FP8_TENSOR_LARGE`]): BM 128, WG_N 256, 4 stages, unpromoted (the whole
 //!   reduction stays in the tensor-core accumulator: 1.3-1.6× faster when compute-bound, ~2e-3
 //!   GEMM error). So per-tensor results differ slightly with the batch size (the variant changes
-//!   at 128 routes per expert), by about that GEMM error, far below fp8's own ~6.5e-2;
+//!   at 64 routes per expert), by about that GEMM error, far below fp8's own ~6.5e-2;
 //! - block ([`FP8_BLOCK_SCALED`]): BM 64, 256 weight rows, 5 stages (always promoted).
 //!
 //! Fused pipeline (what [`gemm1_quant`] and [`gemm2`] launch, the layer aligning routes with the
@@ -61,7 +62,7 @@ mod launch;
 mod support;
 mod unfused;
 
-use super::cuda::LARGE_TILE_ROUTES_PER_EXPERT;
+use super::cuda::large_tile_routes_per_expert;
 use crate::catalog::KernelVariant;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
@@ -151,7 +152,9 @@ impl Fp8GemmConfig {
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
         match scheme {
             Fp8Scheme::Block => FP8_BLOCK_SCALED,
-            Fp8Scheme::PerTensor if num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1) => {
+            Fp8Scheme::PerTensor
+                if num_routes >= large_tile_routes_per_expert() * experts.max(1) =>
+            {
                 FP8_TENSOR_LARGE
             }
             Fp8Scheme::PerTensor => FP8_TENSOR_SMALL,
@@ -292,11 +295,11 @@ mod tests {
         use Fp8Scheme::*;
         assert_eq!(Fp8GemmConfig::select(PerTensor, 2, 8), FP8_TENSOR_SMALL);
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 127 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, 63 * 8, 8),
             FP8_TENSOR_SMALL
         );
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 128 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, 64 * 8, 8),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
