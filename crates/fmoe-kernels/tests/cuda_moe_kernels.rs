@@ -81,7 +81,8 @@ fn moe_align_matches_the_cpu_twin() {
         return;
     };
     let mut rng = ChaCha8Rng::seed_from_u64(0xa11);
-    let cases: [(usize, usize, usize); 9] = [
+    // E > 1024 gives the block-wide prefix several experts per thread; 4085 is the largest E.
+    let cases: [(usize, usize, usize); 11] = [
         (0, 8, 2),
         (1, 8, 2),
         (1, 256, 8),
@@ -91,6 +92,8 @@ fn moe_align_matches_the_cpu_twin() {
         (2048, 8, 2),
         (4096, 256, 8),
         (16384, 8, 2),
+        (3000, 1500, 6),
+        (64, 4085, 2),
     ];
     for (m, e, k) in cases {
         // Skewed ids: half the experts take most routes, some get none.

@@ -17,9 +17,9 @@ const ENTRY: &str = "fmoe_moe_align";
 /// The kernel is one block; its threads stride over routes, experts and slots.
 pub const ALIGN_THREADS: u32 = 1024;
 
-/// The kernel keeps counts, cursors and offsets (3E + 1 u32) in shared memory, within the default
-/// 48 KiB of dynamic shared memory.
-pub const MAX_EXPERTS: usize = (48 * 1024 / 4 - 1) / 3;
+/// The kernel keeps counts, cursors and offsets (3E + 1 u32) in shared memory, plus 32 words of
+/// its prefix scan, within the default 48 KiB per block.
+pub const MAX_EXPERTS: usize = (48 * 1024 / 4 - 1 - 32) / 3;
 
 /// The kernel's `-D` set for M tiles of `block_m`.
 fn defines(block_m: usize) -> Vec<(&'static str, String)> {

@@ -85,7 +85,10 @@ pub const MMA: GemmConfig = GemmConfig {
 };
 
 /// wgmma kernel, decode-sized batches: 64-row tiles and 128 weight rows keep two blocks per SM
-/// and enough blocks to stream the weights from every SM.
+/// and enough blocks to stream the weights from every SM. Launch order: the grouped order of
+/// [`SM90_LARGE`] removed the re-reads of an expert's second M block (H200, Mixtral-8x7B M = 256:
+/// GEMM1 DRAM reads 2.78 → 1.90 GB) but not the time (L2-bound 64 × 128 tiles), and cost 1-5 %
+/// below; from 64 routes per expert the large tiles run instead.
 pub const SM90_SMALL: GemmConfig = GemmConfig {
     kind: GemmKind::Sm90,
     bm: 64,
@@ -281,9 +284,36 @@ fn mid_max_routes_per_expert() -> usize {
     })
 }
 
-/// Average routes per expert from which [`SM90_LARGE`] wins (H200 sweep, BENCHMARKS.md): at 128
-/// a 128-row tile is full on average, and below it the smaller grid of large tiles loses.
-pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 128;
+/// Average routes per expert from which [`SM90_LARGE`] wins (H200, BENCHMARKS.md "small-M layer"):
+/// at 64 the 64-row tiles are full on average, some experts already need two of them, and the
+/// small tiles' L2 traffic (a 64 × 128 tile per 64-wide K step) caps them below the DRAM rate
+/// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor).
+pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
+
+/// Dev-only knobs for sweeps on the device (read once per process; not user settings):
+/// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
+/// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor.
+pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
+pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
+
+fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Option<usize> {
+    *cell.get_or_init(|| {
+        let v = std::env::var(name).ok()?;
+        let n = v.parse::<usize>().ok();
+        if n.is_none() {
+            eprintln!("fmoe: {name}={v:?} is not an integer; ignored");
+        }
+        n
+    })
+}
+
+/// [`LARGE_TILE_ROUTES_PER_EXPERT`], or the [`DEV_LARGE_ROUTES_ENV`] override.
+pub(super) fn large_tile_routes_per_expert() -> usize {
+    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    dev_knob(&CELL, DEV_LARGE_ROUTES_ENV)
+        .filter(|&n| n > 0)
+        .unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
+}
 
 impl GemmConfig {
     /// The variant for a batch of `num_routes` routes over `experts` experts on a device of
@@ -303,7 +333,7 @@ impl GemmConfig {
             return MMA;
         }
         let experts = experts.max(1);
-        if num_routes < LARGE_TILE_ROUTES_PER_EXPERT * experts {
+        if num_routes < large_tile_routes_per_expert() * experts {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
             SM90_MID
@@ -662,6 +692,10 @@ pub(super) fn split_k(
     max_splits: usize,
     sms: usize,
 ) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    if let Some(s) = dev_knob(&FORCED, DEV_SPLITS_ENV).filter(|&s| s > 0) {
+        return s;
+    }
     let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
     let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
     want.min(max_splits).max(1)
@@ -1116,20 +1150,21 @@ mod select_tests {
     fn hopper_picks_wgmma_tiles_by_routes_per_expert_and_others_get_mma() {
         let h = (9, 0);
         assert_eq!(GemmConfig::select(h, 2, 8), SM90_SMALL); // decode
-        assert_eq!(GemmConfig::select(h, 127 * 8, 8), SM90_SMALL);
-        assert_eq!(GemmConfig::select(h, 128 * 8, 8), SM90_LARGE);
+        assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
+        assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
         assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 4096
         assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
+        assert_eq!(GemmConfig::select(h, 2048 * 8, 256), SM90_LARGE);
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
         assert_eq!(GemmConfig::select((10, 0), 1 << 20, 8), MMA); // sm_90a code does not run there
-        // The 64-row prefill tiles, when turned on: from 128 routes per expert up to mid_max.
+        // The 64-row prefill tiles, when turned on: from 64 routes per expert up to mid_max.
         let mid = |r, e| GemmConfig::select_with_mid(h, r, e, MID_TILE_MAX_ROUTES_PER_EXPERT);
-        assert_eq!(mid(127 * 8, 8), SM90_SMALL);
-        assert_eq!(mid(128 * 8, 8), SM90_MID);
+        assert_eq!(mid(63 * 8, 8), SM90_SMALL);
+        assert_eq!(mid(64 * 8, 8), SM90_MID);
         assert_eq!(mid(4096 * 8, 256), SM90_MID); // DeepSeek-V3, M = 4096
         assert_eq!(mid(255 * 8, 8), SM90_MID);
         assert_eq!(mid(256 * 8, 8), SM90_LARGE);
-        assert_eq!(GemmConfig::select_with_mid((8, 0), 128 * 8, 8, 256), MMA);
+        assert_eq!(GemmConfig::select_with_mid((8, 0), 64 * 8, 8, 256), MMA);
     }
 
     #[test]

@@ -11,7 +11,8 @@
 //!   GEMM2 operand); MODE 2 as above.
 //!
 //! Variants ([`Fp8GemmConfig::select`], the bf16 rule of [`super::GemmConfig::select`]: large tiles
-//! from [`LARGE_TILE_ROUTES_PER_EXPERT`] routes per expert on average):
+//! from [`LARGE_TILE_ROUTES_PER_EXPERT`](super::cuda::LARGE_TILE_ROUTES_PER_EXPERT) routes per
+//! expert on average):
 //! - per-tensor, small ([`FP8_TENSOR_SMALL`]): BM 64, WG_N 128, 4 stages, **PROMOTE=1** (the
 //!   tensor-core sums of each 128-wide K tile are added into f32 registers: ~2e-4 relative GEMM
 //!   error instead of ~2e-3, free while bandwidth-bound);
@@ -19,7 +20,7 @@
 //!   warp-specialized (one cp.async loader warpgroup gathering A by route, the weights through TMA,
 //!   two wgmma warpgroups, a 4-deep mbarrier ring, grouped tile order), unpromoted (the whole
 //!   reduction stays in the tensor-core accumulator, ~2e-3 GEMM error). So per-tensor results differ
-//!   slightly with the batch size (the variant changes at 128 routes per expert), by about that
+//!   slightly with the batch size (the variant changes at 64 routes per expert), by about that
 //!   GEMM error, far below fp8's own ~6.5e-2;
 //! - block, small ([`FP8_BLOCK_SCALED`]): `moe_gemm_fp8_block_sm90.cu`, BM 64, 256 weight rows,
 //!   5 stages (always promoted);
@@ -73,7 +74,7 @@ mod launch;
 mod support;
 mod unfused;
 
-use super::cuda::LARGE_TILE_ROUTES_PER_EXPERT;
+use super::cuda::large_tile_routes_per_expert;
 use crate::catalog::KernelVariant;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
@@ -228,7 +229,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        let large = num_routes >= LARGE_TILE_ROUTES_PER_EXPERT * experts.max(1);
+        let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
         Self::select_with(scheme, large, dev_sync())
     }
 
@@ -435,11 +436,11 @@ mod tests {
         use Fp8Scheme::*;
         assert_eq!(Fp8GemmConfig::select(PerTensor, 2, 8), FP8_TENSOR_SMALL);
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 127 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, 63 * 8, 8),
             FP8_TENSOR_SMALL
         );
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 128 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, 64 * 8, 8),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
@@ -447,8 +448,8 @@ mod tests {
             FP8_TENSOR_LARGE
         );
         assert_eq!(Fp8GemmConfig::select(Block, 1 << 20, 8), FP8_BLOCK_LARGE);
-        assert_eq!(Fp8GemmConfig::select(Block, 127 * 8, 8), FP8_BLOCK_SCALED);
-        assert_eq!(Fp8GemmConfig::select(Block, 128 * 8, 8), FP8_BLOCK_LARGE);
+        assert_eq!(Fp8GemmConfig::select(Block, 63 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 64 * 8, 8), FP8_BLOCK_LARGE);
         // The dev experiment "sync": the kernels before the warp-specialized ones.
         assert_eq!(
             Fp8GemmConfig::select_with(PerTensor, true, true),
