@@ -27,9 +27,12 @@
 //                          ragged edge block uses the amax of the elements it covers. One block of 256
 //                          threads per 128 x 128 block, grid (ceil(cols/128), ceil(rows/128), mats); each
 //                          warp walks rows, its lanes the columns. Flags a non-finite block amax.
-// Per-tensor quantization is two launches (amax, then cast) because the scale needs a grid-wide
-// reduction first; the GEMM1 epilogue of moe_gemm_fp8_sm90.cu produces the amax of h itself, so
-// only the cast pass remains for the GEMM2 operand.
+//   fmoe_fp8_quant_tensor_small  both steps in one block of 1024 threads for a small x (decode
+//                          batches: the two launches and the zeroing of amax cost more than the
+//                          work); writes ctrl = {amax bits, error flag} itself. Grid 1.
+// Per-tensor quantization of a large x is two launches (amax, then cast) because the scale needs a
+// grid-wide reduction first; the GEMM1 epilogue of moe_gemm_fp8_sm90.cu produces the amax of h
+// itself, so only the cast pass remains for the GEMM2 operand.
 
 #include <cuda_bf16.h>
 
@@ -65,43 +68,40 @@ __device__ __forceinline__ void load_vec(const in_t* p, float* v) {
 #endif
 }
 
-extern "C" __global__ void fmoe_fp8_amax(const in_t* __restrict__ x, unsigned long long n,
-                                         unsigned int* __restrict__ amax_bits) {
-    __shared__ unsigned int red[32];
+// max |x| bits over the elements this thread visits (VEC-wide chunks from `first`, step `stride`,
+// then the ragged tail one by one).
+__device__ __forceinline__ unsigned int amax_range(const in_t* __restrict__ x, unsigned long long n,
+                                                   unsigned long long first, unsigned long long stride) {
     unsigned int m = 0;
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned long long nv = n / VEC;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+    for (unsigned long long i = first; i < nv; i += stride) {
         float v[VEC];
         load_vec(x + i * VEC, v);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) m = max(m, abs_bits(v[j]));
     }
-    for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        m = max(m, abs_bits(to_f32(x[i])));
+    for (unsigned long long i = nv * VEC + first; i < n; i += stride) m = max(m, abs_bits(to_f32(x[i])));
+    return m;
+}
+
+// The block's max of m, valid in thread 0 (red: 32 shared words).
+__device__ __forceinline__ unsigned int block_max(unsigned int m, unsigned int* red) {
     m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
     __syncthreads();
     if (threadIdx.x < 32) {
         m = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0u;
         m = warp_max(m);
-        if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
     }
+    return m;
 }
 
-extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, unsigned long long n,
-                                                 const unsigned int* __restrict__ amax_bits,
-                                                 unsigned char* __restrict__ q, float* __restrict__ scale_out,
-                                                 unsigned int* __restrict__ error_flag) {
-    const unsigned int ab = *amax_bits;
-    const float s = scale_from_amax(__uint_as_float(ab));
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        scale_out[0] = s;
-        if (ab >= NONFINITE_BITS) atomicExch(error_flag, 1u);
-    }
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+// q = sat_rne(x / s) over the elements this thread visits (as amax_range).
+__device__ __forceinline__ void cast_range(const in_t* __restrict__ x, unsigned long long n, float s,
+                                           unsigned char* __restrict__ q, unsigned long long first,
+                                           unsigned long long stride) {
     const unsigned long long nv = n / VEC;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += stride) {
+    for (unsigned long long i = first; i < nv; i += stride) {
         float v[VEC];
         load_vec(x + i * VEC, v);
         unsigned int w[VEC / 4];
@@ -115,8 +115,48 @@ extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, uns
         *reinterpret_cast<unsigned int*>(q + i * VEC) = w[0];
 #endif
     }
-    for (unsigned long long i = nv * VEC + (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    for (unsigned long long i = nv * VEC + first; i < n; i += stride)
         q[i] = (unsigned char)(e4m3x2(__fdiv_rn(to_f32(x[i]), s), 0.0f) & 0xFF);
+}
+
+extern "C" __global__ void fmoe_fp8_amax(const in_t* __restrict__ x, unsigned long long n,
+                                         unsigned int* __restrict__ amax_bits) {
+    __shared__ unsigned int red[32];
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned int m = block_max(amax_range(x, n, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x, stride), red);
+    if (threadIdx.x == 0 && m != 0) atomicMax(amax_bits, m);
+}
+
+extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, unsigned long long n,
+                                                 const unsigned int* __restrict__ amax_bits,
+                                                 unsigned char* __restrict__ q, float* __restrict__ scale_out,
+                                                 unsigned int* __restrict__ error_flag) {
+    const unsigned int ab = *amax_bits;
+    const float s = scale_from_amax(__uint_as_float(ab));
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        scale_out[0] = s;
+        if (ab >= NONFINITE_BITS) atomicExch(error_flag, 1u);
+    }
+    cast_range(x, n, s, q, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x,
+               (unsigned long long)gridDim.x * blockDim.x);
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+fmoe_fp8_quant_tensor_small(const in_t* __restrict__ x, unsigned long long n, unsigned int* __restrict__ ctrl,
+                            unsigned char* __restrict__ q, float* __restrict__ scale_out) {
+    __shared__ unsigned int red[32];
+    __shared__ unsigned int total;
+    const unsigned int m = block_max(amax_range(x, n, threadIdx.x, blockDim.x), red);
+    if (threadIdx.x == 0) total = m;
+    __syncthreads();
+    const unsigned int ab = total;
+    const float s = scale_from_amax(__uint_as_float(ab));
+    if (threadIdx.x == 0) {
+        scale_out[0] = s;
+        ctrl[0] = ab;
+        ctrl[1] = ab >= NONFINITE_BITS ? 1u : 0u;
+    }
+    cast_range(x, n, s, q, threadIdx.x, blockDim.x);
 }
 
 extern "C" __global__ void fmoe_fp8_quant_tensor_static(const in_t* __restrict__ x, unsigned long long n,

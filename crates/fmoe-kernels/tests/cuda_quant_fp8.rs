@@ -74,6 +74,9 @@ fn quantization_kernels_are_bit_exact_with_the_cpu_twin() {
     let shapes = [
         (2048, 7168, DType::BF16),
         (37, 4000, DType::BF16),
+        // Either side of the one-block per-tensor kernel's limit (64 Ki elements).
+        (16, 4096, DType::BF16),
+        (17, 4096, DType::BF16),
         (33, 1000, DType::F32),
         (3, 5, DType::F32),
         (1, 1, DType::BF16),
@@ -158,10 +161,14 @@ fn non_finite_input_is_reported_like_the_cpu_twin() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
-        let mut v = data(64, 300, DType::F32, 7).to_f32_vec().unwrap();
+    // 64 rows: one-block per-tensor kernel; 256 rows: the two-launch one (over SMALL_TENSOR).
+    for (rows, bad) in [64, 256]
+        .into_iter()
+        .flat_map(|r| [f32::INFINITY, f32::NEG_INFINITY, f32::NAN].map(|b| (r, b)))
+    {
+        let mut v = data(rows, 300, DType::F32, 7).to_f32_vec().unwrap();
         v[5 * 300 + 77] = bad;
-        let x = Tensor::from_f32(&v, [64, 300], DType::BF16, &CPU).unwrap();
+        let x = Tensor::from_f32(&v, [rows, 300], DType::BF16, &CPU).unwrap();
         let xg = x.to_device(CUDA).unwrap();
         let cpu = quantize_per_tensor(&x).unwrap_err().to_string();
         assert!(cpu.contains("1577"), "{cpu}");
@@ -174,7 +181,7 @@ fn non_finite_input_is_reported_like_the_cpu_twin() {
             .to_string();
         let (_, _, check) = quantize_per_token_group_deferred(&xg, FP8_GROUP).unwrap();
         assert_eq!(check.check().unwrap_err().to_string(), cpu);
-        let w = x.reshape([2, 32, 300]).unwrap();
+        let w = x.reshape([2, rows / 2, 300]).unwrap();
         let cpu = quantize_block(&w, FP8_BLOCK).unwrap_err().to_string();
         let gpu = quantize_block(&w.to_device(CUDA).unwrap(), FP8_BLOCK)
             .unwrap_err()
@@ -238,10 +245,14 @@ fn non_finite_input_to_a_static_scale_is_reported_like_the_cpu_twin() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
-        let mut v = data(64, 300, DType::F32, 7).to_f32_vec().unwrap();
+    // 64 rows: one-block per-tensor kernel; 256 rows: the two-launch one (over SMALL_TENSOR).
+    for (rows, bad) in [64, 256]
+        .into_iter()
+        .flat_map(|r| [f32::INFINITY, f32::NEG_INFINITY, f32::NAN].map(|b| (r, b)))
+    {
+        let mut v = data(rows, 300, DType::F32, 7).to_f32_vec().unwrap();
         v[5 * 300 + 77] = bad;
-        let x = Tensor::from_f32(&v, [64, 300], DType::BF16, &CPU).unwrap();
+        let x = Tensor::from_f32(&v, [rows, 300], DType::BF16, &CPU).unwrap();
         let sc = Tensor::from_vec(vec![0.5f32], [1], &CPU).unwrap();
         let cpu = quantize_static_deferred(&x, &sc).unwrap_err().to_string();
         assert!(cpu.contains("1577"), "{cpu}");

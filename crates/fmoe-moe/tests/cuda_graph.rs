@@ -27,6 +27,16 @@ use rand_distr::{Distribution, StandardNormal};
 
 const CUDA: Device = Device::Cuda(0);
 
+/// The tests share the backend's one stream, and a capture on it records what another test
+/// launches meanwhile (and refuses its host copies): one test at a time.
+static STREAM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive_stream() -> std::sync::MutexGuard<'static, ()> {
+    STREAM
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn randn(rng: &mut ChaCha8Rng, dims: &[usize], scale: f32) -> Tensor {
     let n = dims.iter().product();
     let v: Vec<f32> = (0..n)
@@ -132,6 +142,7 @@ fn check_replay(what: &str, layer: &FusedMoe, x: &Tensor, topk: &TopK) -> bool {
 
 #[test]
 fn graph_replays_equal_the_eager_forward() {
+    let _stream = exclusive_stream();
     if test_backend_or_skip().is_none() {
         return;
     }
@@ -164,6 +175,7 @@ fn graph_replays_equal_the_eager_forward() {
 
 #[test]
 fn graph_replays_equal_the_eager_forward_with_a_shared_expert() {
+    let _stream = exclusive_stream();
     if test_backend_or_skip().is_none() {
         return;
     }
@@ -190,6 +202,7 @@ fn graph_replays_equal_the_eager_forward_with_a_shared_expert() {
 
 #[test]
 fn an_uncapturable_forward_is_an_error_and_the_stream_recovers() {
+    let _stream = exclusive_stream();
     let Some(backend) = test_backend_or_skip() else {
         return;
     };

@@ -8,7 +8,9 @@
 //!
 //! Launch recipes (those of `bench/gpu/moe_fp8_cupy.py`, which ran these kernels on an H200):
 //! - `fmoe_fp8_amax` / `fmoe_fp8_quant_tensor`: 256 threads, grid `min(ceil(n / (VEC·256)),
-//!   8·SMs)` (VEC = 8 bf16 or 4 f32 per 16-byte load), the amax word zeroed before;
+//!   8·SMs)` (VEC = 8 bf16 or 4 f32 per 16-byte load), the amax word zeroed before; up to
+//!   [`SMALL_TENSOR`] elements `fmoe_fp8_quant_tensor_small` instead: one block of 1024 threads,
+//!   one launch in place of three (zeroing, amax, cast) for decode-sized activations;
 //! - `fmoe_fp8_quant_group`: one warp per 1×128 group, 256 threads, grid
 //!   `ceil(rows·ceil(k/128) / 8)`;
 //! - `fmoe_fp8_quant_block`: 256 threads per 128×128 block, grid `(ceil(C/128), ceil(R/128),
@@ -36,12 +38,19 @@ pub(crate) const GROUP: usize = 128;
 pub(crate) const BLOCK: [usize; 2] = [128, 128];
 const GRID_LIMIT: usize = 65_535;
 
+/// Largest x that dynamic per-tensor quantization handles in one block (64 elements per thread
+/// of 1024: a 16-token Mixtral or a 9-token DeepSeek-V3 batch).
+pub(crate) const SMALL_TENSOR: usize = 64 * 1024;
+/// Threads of `fmoe_fp8_quant_tensor_small`'s one block.
+const SMALL_THREADS: u32 = 1024;
+
 /// The input dtypes the kernels are built for.
 const INPUT_DTYPES: [DType; 2] = [DType::BF16, DType::F32];
 /// The entry points of the source.
-const ENTRIES: [&str; 5] = [
+const ENTRIES: [&str; 6] = [
     "fmoe_fp8_amax",
     "fmoe_fp8_quant_tensor",
+    "fmoe_fp8_quant_tensor_small",
     "fmoe_fp8_quant_tensor_static",
     "fmoe_fp8_quant_group",
     "fmoe_fp8_quant_block",
@@ -235,9 +244,39 @@ pub(crate) fn per_tensor(
     input_defines(op, x)?;
     let backend = x.backend();
     let n = x.len();
-    let ctrl = CudaStorage::zeros(backend, DType::U32, 2)?;
     let mut q = CudaStorage::alloc(backend, DType::F8E4M3, n)?;
     let mut scale = CudaStorage::alloc(backend, DType::F32, 1)?;
+    if n <= SMALL_TENSOR {
+        // The kernel writes both control words.
+        let mut ctrl = CudaStorage::alloc(backend, DType::U32, 2)?;
+        let f = nvrtc::load(
+            backend,
+            FAMILY,
+            SRC,
+            "fmoe_fp8_quant_tensor_small",
+            &input_defines(op, x)?,
+        )?;
+        let n64 = n as u64;
+        let mut b = backend.stream().launch_builder(&f);
+        b.arg(x.buffer())
+            .arg(&n64)
+            .arg(ctrl.buffer_mut()?)
+            .arg(q.buffer_mut()?)
+            .arg(scale.buffer_mut()?);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (SMALL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: (const in_t*, u64, u32*, u8*, float*) as declared, in_t compiled from x's
+        // dtype; x holds n elements, q n bytes, ctrl two u32, scale one f32, all 256-byte aligned
+        // (16-byte loads, 8- or 4-byte code stores); one block of the 1024 threads the kernel's
+        // launch bounds name.
+        unsafe { b.launch(cfg) }
+            .map_err(|e| cuda_error("quant_fp8: quant_tensor_small launch", e))?;
+        return Ok((q, scale, ctrl));
+    }
+    let ctrl = CudaStorage::zeros(backend, DType::U32, 2)?;
     {
         let (amax, flag) = (ctrl.buffer().slice(0..4), ctrl.buffer().slice(4..8));
         amax_into(op, x, n, &amax)?;
