@@ -16,6 +16,7 @@
 
 #include "common/async_copy.cuh"
 #include "common/math.cuh"
+#include "common/moe_epilogue.cuh"
 #include "common/moe_tile.cuh"
 #include "common/sm90_wgmma.cuh"
 
@@ -144,28 +145,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int rt = route[wg * 64 + (warp & 3) * 16 + g + half * 8];
         if (rt >= num_routes) continue;
 #if MODE == 1
-#pragma unroll
-        for (int j = 0; j < WG_N / 16; ++j) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const unsigned int n = n0 + j * 8 + 2 * t + q;
-                if (n < n_out) {
-                    const float gate = acc[4 * j + 2 * half + q], up = acc[4 * (j + WG_N / 16) + 2 * half + q];
-                    h_out[(unsigned long long)rt * n_out + n] = __float2bfloat16(silu(gate) * up);
-                }
-            }
-        }
+        silu_mul_row<WG_N>(acc, half, t, 1.0f, h_out + (unsigned long long)rt * n_out, n0, n_out);
 #else
-        const float wt = topk_weights[rt];
-        float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-        for (int j = 0; j < WG_N / 8; ++j) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const unsigned int c = n0 + j * 8 + 2 * t + q;
-                if (c < n_out) atomicAdd(yrow + c, wt * acc[4 * j + 2 * half + q]);
-            }
-        }
+        weighted_add_row<WG_N>(acc, half, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 }

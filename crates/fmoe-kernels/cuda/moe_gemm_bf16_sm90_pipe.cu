@@ -30,6 +30,7 @@
 #include "common/async_copy.cuh"
 #include "common/atomics.cuh"
 #include "common/math.cuh"
+#include "common/moe_epilogue.cuh"
 #include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
 
@@ -278,37 +279,11 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             const unsigned int rt = sorted_routes[m0 + cm * 64 + (warp & 3) * 16 + g + half * 8];
             if (rt >= num_routes) continue;
 #if MODE == 1
-            const unsigned int nb = tc.n_tile * (WG_N / 2) + cn * (CW_N / 2);
-#pragma unroll
-            for (int j = 0; j < CW_N / 16; ++j) {
-                const unsigned int n = nb + j * 8 + 2 * t4;
-                const float g0 = acc[4 * j + 2 * half], g1 = acc[4 * j + 2 * half + 1];
-                const float u0 = acc[4 * (j + CW_N / 16) + 2 * half], u1 = acc[4 * (j + CW_N / 16) + 2 * half + 1];
-                __nv_bfloat16* dst = h_out + (unsigned long long)rt * n_out + n;
-                if (n + 1 < n_out && (n_out & 1) == 0) {
-                    // Two adjacent columns in one 4-byte store (n even, row start even).
-                    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-                } else {
-                    if (n < n_out) dst[0] = __float2bfloat16(silu(g0) * u0);
-                    if (n + 1 < n_out) dst[1] = __float2bfloat16(silu(g1) * u1);
-                }
-            }
+            silu_mul_row<CW_N>(acc, half, t4, 1.0f, h_out + (unsigned long long)rt * n_out,
+                               tc.n_tile * (WG_N / 2) + cn * (CW_N / 2), n_out);
 #else
-            const unsigned int nb = tc.n_tile * WG_N + cn * CW_N;
-            const float wt = topk_weights[rt];
-            float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-            for (int j = 0; j < CW_N / 8; ++j) {
-                const unsigned int c = nb + j * 8 + 2 * t4;
-                const float v0 = wt * acc[4 * j + 2 * half], v1 = wt * acc[4 * j + 2 * half + 1];
-                if (c + 1 < n_out && (n_out & 1) == 0) {
-                    // One 8-byte reduction (c even, row start even).
-                    red_add_v2(yrow + c, v0, v1);
-                } else {
-                    if (c < n_out) atomicAdd(yrow + c, v0);
-                    if (c + 1 < n_out) atomicAdd(yrow + c + 1, v1);
-                }
-            }
+            weighted_add_row<CW_N>(acc, half, t4, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out,
+                                   tc.n_tile * WG_N + cn * CW_N, n_out);
 #endif
         }
     }

@@ -22,6 +22,7 @@
 
 #include "common/async_copy.cuh"
 #include "common/math.cuh"
+#include "common/moe_epilogue.cuh"
 #include "common/moe_tile.cuh"
 #include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
@@ -186,31 +187,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int rt = route[cw * 64 + (warp & 3) * 16 + g + half * 8];
         if (rt >= num_routes) continue;
 #if MODE == 1
-#pragma unroll
-        for (int j = 0; j < WG_N / 16; ++j) {
-            const unsigned int n = n0 + j * 8 + 2 * t;
-            const float g0 = acc[4 * j + 2 * half], g1 = acc[4 * j + 2 * half + 1];
-            const float u0 = acc[4 * (j + WG_N / 16) + 2 * half], u1 = acc[4 * (j + WG_N / 16) + 2 * half + 1];
-            __nv_bfloat16* dst = h_out + (unsigned long long)rt * n_out + n;
-            if (n + 1 < n_out && (n_out & 1) == 0) {
-                // Two adjacent columns in one 4-byte store (n even, row start even).
-                *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-            } else {
-                if (n < n_out) dst[0] = __float2bfloat16(silu(g0) * u0);
-                if (n + 1 < n_out) dst[1] = __float2bfloat16(silu(g1) * u1);
-            }
-        }
+        silu_mul_row<WG_N>(acc, half, t, 1.0f, h_out + (unsigned long long)rt * n_out, n0, n_out);
 #else
-        const float wt = topk_weights[rt];
-        float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-        for (int j = 0; j < WG_N / 8; ++j) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const unsigned int c = n0 + j * 8 + 2 * t + q;
-                if (c < n_out) atomicAdd(yrow + c, wt * acc[4 * j + 2 * half + q]);
-            }
-        }
+        weighted_add_row<WG_N>(acc, half, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 }

@@ -38,6 +38,7 @@
 #include "common/atomics.cuh"
 #include "common/fp8.cuh"
 #include "common/math.cuh"
+#include "common/moe_epilogue.cuh"
 #include "common/moe_tile.cuh"
 #include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
@@ -317,45 +318,22 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     for (int h = 0; h < 2; ++h) {
         const unsigned int rt = route[r0 + 8 * h];
         if (rt >= num_routes) continue;
-        const float wt = topk_weights[rt];
-        float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-        for (int j = 0; j < NB / 8; ++j) {
-            const unsigned int c = n0 + 8 * j + 2 * t;  // even; n_out even
-            if (c < n_out) red_add_v2(yrow + c, wt * acc[4 * j + 2 * h], wt * acc[4 * j + 2 * h + 1]);
-        }
+        weighted_add_row<NB>(acc, h, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
     }
 #else
     // Per-tensor scales, once per dot product.
     const float sc = a_scale[0] * w_scale[e];
 #if MODE == 1
-    unsigned int hmax = 0;  // bits of max |h| (non-negative floats order as unsigned ints)
+    unsigned int hmax = 0;  // bits of max |h|
 #endif
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const unsigned int rt = route[r0 + 8 * h];
         if (rt >= num_routes) continue;
 #if MODE == 1
-        __nv_bfloat16* hrow = h_out + (unsigned long long)rt * n_out;
-#pragma unroll
-        for (int j = 0; j < NB / 16; ++j) {
-            const unsigned int n = n0 + j * 8 + 2 * t;  // even; n_out even, so n + 1 < n_out too
-            if (n < n_out) {
-                const float g0 = acc[4 * j + 2 * h] * sc, g1 = acc[4 * j + 2 * h + 1] * sc;
-                const float u0 = acc[4 * (j + NB / 16) + 2 * h] * sc, u1 = acc[4 * (j + NB / 16) + 2 * h + 1] * sc;
-                const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-                *reinterpret_cast<__nv_bfloat162*>(hrow + n) = hv;
-                hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
-            }
-        }
+        hmax = max(hmax, silu_mul_row<NB>(acc, h, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out));
 #else
-        const float wt = topk_weights[rt];
-        float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-        for (int j = 0; j < NB / 8; ++j) {
-            const unsigned int c = n0 + j * 8 + 2 * t;  // even; n_out even
-            if (c < n_out) red_add_v2(yrow + c, wt * (acc[4 * j + 2 * h] * sc), wt * (acc[4 * j + 2 * h + 1] * sc));
-        }
+        weighted_add_row<NB>(acc, h, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 #if MODE == 1

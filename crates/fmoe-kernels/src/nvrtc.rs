@@ -79,6 +79,10 @@ pub const HEADERS: &[(&str, &str)] = &[
     ),
     ("common/math.cuh", include_str!("../cuda/common/math.cuh")),
     (
+        "common/moe_epilogue.cuh",
+        include_str!("../cuda/common/moe_epilogue.cuh"),
+    ),
+    (
         "common/moe_tile.cuh",
         include_str!("../cuda/common/moe_tile.cuh"),
     ),
