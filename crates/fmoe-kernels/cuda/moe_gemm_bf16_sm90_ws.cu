@@ -187,9 +187,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int rt = route[cw * 64 + (warp & 3) * 16 + g + half * 8];
         if (rt >= num_routes) continue;
 #if MODE == 1
-        silu_mul_row<WG_N>(acc, half, t, 1.0f, h_out + (unsigned long long)rt * n_out, n0, n_out);
+        silu_mul_row<WG_N, false>(acc, half, t, 1.0f, h_out + (unsigned long long)rt * n_out, n0, n_out, 0);
 #else
-        weighted_add_row<WG_N>(acc, half, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+        weighted_add_row<WG_N, false>(acc, half, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 }

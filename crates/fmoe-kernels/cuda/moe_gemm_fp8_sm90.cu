@@ -197,9 +197,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int rt = route[wg * 64 + (warp & 3) * 16 + g + half * 8];
         if (rt >= num_routes) continue;
 #if MODE == 1
-        hmax = max(hmax, silu_mul_row<WG_N>(acc, half, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out));
+        hmax = silu_mul_row<WG_N, true>(acc, half, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out, hmax);
 #else
-        weighted_add_row<WG_N>(acc, half, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+        weighted_add_row<WG_N, true>(acc, half, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 #if MODE == 1

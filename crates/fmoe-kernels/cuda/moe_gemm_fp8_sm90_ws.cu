@@ -318,7 +318,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     for (int h = 0; h < 2; ++h) {
         const unsigned int rt = route[r0 + 8 * h];
         if (rt >= num_routes) continue;
-        weighted_add_row<NB>(acc, h, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+        weighted_add_row<NB, true>(acc, h, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
     }
 #else
     // Per-tensor scales, once per dot product.
@@ -331,9 +331,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int rt = route[r0 + 8 * h];
         if (rt >= num_routes) continue;
 #if MODE == 1
-        hmax = max(hmax, silu_mul_row<NB>(acc, h, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out));
+        hmax = silu_mul_row<NB, true>(acc, h, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out, hmax);
 #else
-        weighted_add_row<NB>(acc, h, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+        weighted_add_row<NB, true>(acc, h, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
 #endif
     }
 #if MODE == 1

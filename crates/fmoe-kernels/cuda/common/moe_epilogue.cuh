@@ -5,6 +5,9 @@
 // g (half 0) or g + 8 (half 1), t = lane % 4. `scale` multiplies each dot product first (fp8
 // per-tensor: a_scale * w_scale; bf16: 1, exact). Adjacent column pairs go out as one bf16x2 store
 // or one 8-byte reduction when n_out is even (then every pair is aligned); otherwise one by one.
+// EVEN_N: the caller's contract already makes n_out even (the fp8 kernels): no one-by-one path, and
+// the fp8 kernels compile to the same SASS as their epilogues did before this header
+// (scripts/cuda/cubin_fingerprint.py --compare).
 
 #ifndef FMOE_COMMON_MOE_EPILOGUE_CUH
 #define FMOE_COMMON_MOE_EPILOGUE_CUH
@@ -15,31 +18,31 @@
 #include "common/math.cuh"
 
 // GEMM1: h_row[n] = bf16(silu(gate) * up) for the N / 2 output columns from n0, gate the slab's
-// first N / 2 columns, up the rest. Returns the bits of the row's max |h| as stored (non-negative
-// floats order as unsigned ints), for the per-tensor requantization of h.
-template <int N>
+// first N / 2 columns, up the rest. Returns max(hmax, the bits of the row's max |h| as stored)
+// (non-negative floats order as unsigned ints), for the per-tensor requantization of h.
+template <int N, bool EVEN_N>
 __device__ __forceinline__ unsigned int silu_mul_row(const float (&acc)[N / 2], const int half, const unsigned int t,
                                                      const float scale, __nv_bfloat16* __restrict__ h_row,
-                                                     const unsigned int n0, const unsigned int n_out) {
-    unsigned int hmax = 0;
+                                                     const unsigned int n0, const unsigned int n_out,
+                                                     unsigned int hmax) {
 #pragma unroll
     for (int j = 0; j < N / 16; ++j) {
         const unsigned int n = n0 + j * 8 + 2 * t;
+        if (EVEN_N && n >= n_out) continue;
         const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
         const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
         const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-        const unsigned int b0 = __float_as_uint(fabsf(__low2float(hv))), b1 = __float_as_uint(fabsf(__high2float(hv)));
-        if (n + 1 < n_out && (n_out & 1) == 0) {
+        if (EVEN_N || (n + 1 < n_out && (n_out & 1) == 0)) {
             *reinterpret_cast<__nv_bfloat162*>(h_row + n) = hv;
-            hmax = max(hmax, max(b0, b1));
+            hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
         } else {
             if (n < n_out) {
                 h_row[n] = __low2bfloat16(hv);
-                hmax = max(hmax, b0);
+                hmax = max(hmax, __float_as_uint(fabsf(__low2float(hv))));
             }
             if (n + 1 < n_out) {
                 h_row[n + 1] = __high2bfloat16(hv);
-                hmax = max(hmax, b1);
+                hmax = max(hmax, __float_as_uint(fabsf(__high2float(hv))));
             }
         }
     }
@@ -48,13 +51,17 @@ __device__ __forceinline__ unsigned int silu_mul_row(const float (&acc)[N / 2], 
 
 // GEMM2: y_row[c] += wt * (scale * acc) for the N columns from c0 (f32 reductions: the top-k
 // routes of a token and the K splits meet in y).
-template <int N>
+template <int N, bool EVEN_N>
 __device__ __forceinline__ void weighted_add_row(const float (&acc)[N / 2], const int half, const unsigned int t,
                                                  const float scale, const float wt, float* __restrict__ y_row,
                                                  const unsigned int c0, const unsigned int n_out) {
 #pragma unroll
     for (int j = 0; j < N / 8; ++j) {
         const unsigned int c = c0 + j * 8 + 2 * t;
+        if (EVEN_N) {
+            if (c < n_out) red_add_v2(y_row + c, wt * (acc[4 * j + 2 * half] * scale), wt * (acc[4 * j + 2 * half + 1] * scale));
+            continue;
+        }
         const float v0 = wt * (acc[4 * j + 2 * half] * scale), v1 = wt * (acc[4 * j + 2 * half + 1] * scale);
         if (c + 1 < n_out && (n_out & 1) == 0) {
             red_add_v2(y_row + c, v0, v1);
