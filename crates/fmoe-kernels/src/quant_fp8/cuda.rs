@@ -19,7 +19,7 @@
 //! Every buffer comes from the stream-ordered pool, 256-byte aligned (the 16-byte loads and the
 //! 8-byte code stores of the per-tensor kernels need 16).
 
-use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{CudaFunction, CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
@@ -97,6 +97,11 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
         .collect()
 }
 
+/// The entry `entry` of the source, compiled for x's dtype.
+fn kernel(op: &'static str, x: &CudaStorage, entry: &str) -> Result<CudaFunction> {
+    nvrtc::load(x.backend(), FAMILY, SRC, entry, &input_defines(op, x)?)
+}
+
 /// Grid of the grid-stride per-tensor kernels: `min(ceil(n / (VEC·256)), 8·SMs)`, at least 1.
 fn tensor_grid(x: &CudaStorage, n: usize) -> u32 {
     let vec = if x.dtype() == DType::F32 { 4 } else { 8 };
@@ -120,13 +125,7 @@ pub(crate) fn amax_into(
     amax: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = nvrtc::load(
-        backend,
-        FAMILY,
-        SRC,
-        "fmoe_fp8_amax",
-        &input_defines(op, x)?,
-    )?;
+    let f = kernel(op, x, "fmoe_fp8_amax")?;
     let n64 = n as u64;
     let mut b = backend.stream().launch_builder(&f);
     b.arg(x.buffer()).arg(&n64).arg(amax);
@@ -150,13 +149,7 @@ pub(crate) fn cast_with_amax(
     flag: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = nvrtc::load(
-        backend,
-        FAMILY,
-        SRC,
-        "fmoe_fp8_quant_tensor",
-        &input_defines(op, x)?,
-    )?;
+    let f = kernel(op, x, "fmoe_fp8_quant_tensor")?;
     let n64 = n as u64;
     let mut b = backend.stream().launch_builder(&f);
     b.arg(x.buffer())
@@ -184,13 +177,7 @@ pub(crate) fn cast_with_scale(
     flag: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = nvrtc::load(
-        backend,
-        FAMILY,
-        SRC,
-        "fmoe_fp8_quant_tensor_static",
-        &input_defines(op, x)?,
-    )?;
+    let f = kernel(op, x, "fmoe_fp8_quant_tensor_static")?;
     if scale.dtype() != DType::F32 || scale.len() != 1 {
         return Err(Error::invalid(
             op,
@@ -213,6 +200,38 @@ pub(crate) fn cast_with_scale(
     // scale is one f32 (checked above), flag 4 bytes of a live allocation.
     unsafe { b.launch(launch_1d(tensor_grid(x, n))) }
         .map_err(|e| cuda_error("quant_fp8: quant_tensor_static launch", e))?;
+    Ok(())
+}
+
+/// Amax and cast of x[0..n) in one block ([`SMALL_TENSOR`] elements at most): writes the codes to
+/// `q`, the scale to `scale` (f32 [1]) and both control words (amax bits, error flag) to `ctrl`
+/// (u32 [2], need not be zeroed).
+fn quant_tensor_small(
+    op: &'static str,
+    x: &CudaStorage,
+    n: usize,
+    ctrl: &mut CudaStorage,
+    q: &mut CudaStorage,
+    scale: &mut CudaStorage,
+) -> Result<()> {
+    let f = kernel(op, x, "fmoe_fp8_quant_tensor_small")?;
+    let n64 = n as u64;
+    let mut b = x.backend().stream().launch_builder(&f);
+    b.arg(x.buffer())
+        .arg(&n64)
+        .arg(ctrl.buffer_mut()?)
+        .arg(q.buffer_mut()?)
+        .arg(scale.buffer_mut()?);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (SMALL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: (const in_t*, u64, u32*, u8*, float*) as declared, in_t compiled from x's
+    // dtype; x holds n elements, q n bytes, ctrl two u32, scale one f32, all 256-byte aligned
+    // (16-byte loads, 8- or 4-byte code stores); one block of the 1024 threads the kernel's
+    // launch bounds name.
+    unsafe { b.launch(cfg) }.map_err(|e| cuda_error("quant_fp8: quant_tensor_small launch", e))?;
     Ok(())
 }
 
@@ -247,33 +266,8 @@ pub(crate) fn per_tensor(
     let mut q = CudaStorage::alloc(backend, DType::F8E4M3, n)?;
     let mut scale = CudaStorage::alloc(backend, DType::F32, 1)?;
     if n <= SMALL_TENSOR {
-        // The kernel writes both control words.
         let mut ctrl = CudaStorage::alloc(backend, DType::U32, 2)?;
-        let f = nvrtc::load(
-            backend,
-            FAMILY,
-            SRC,
-            "fmoe_fp8_quant_tensor_small",
-            &input_defines(op, x)?,
-        )?;
-        let n64 = n as u64;
-        let mut b = backend.stream().launch_builder(&f);
-        b.arg(x.buffer())
-            .arg(&n64)
-            .arg(ctrl.buffer_mut()?)
-            .arg(q.buffer_mut()?)
-            .arg(scale.buffer_mut()?);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (SMALL_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: (const in_t*, u64, u32*, u8*, float*) as declared, in_t compiled from x's
-        // dtype; x holds n elements, q n bytes, ctrl two u32, scale one f32, all 256-byte aligned
-        // (16-byte loads, 8- or 4-byte code stores); one block of the 1024 threads the kernel's
-        // launch bounds name.
-        unsafe { b.launch(cfg) }
-            .map_err(|e| cuda_error("quant_fp8: quant_tensor_small launch", e))?;
+        quant_tensor_small(op, x, n, &mut ctrl, &mut q, &mut scale)?;
         return Ok((q, scale, ctrl));
     }
     let ctrl = CudaStorage::zeros(backend, DType::U32, 2)?;
