@@ -32,7 +32,9 @@
 //!   group scales carried in the stage by the loaders.
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
-//! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384.
+//! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
+//! all stages in flight and the persistent grid added 1.03-1.13× (block) and up to 1.07×
+//! (per-tensor) ("fp8 prefill GEMMs: every stage in flight"; ncu: bound by L2→SM traffic).
 //! Dev-only [`DEV_FP8_LARGE_ENV`]`=sync` brings those back for comparison ([`FP8_TENSOR_SYNC`],
 //! and [`FP8_BLOCK_SCALED`] at every size).
 //!
