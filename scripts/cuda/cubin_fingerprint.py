@@ -100,15 +100,12 @@ def variants():
            ("DYNAMIC", str(d))]
           for m in (1, 2) for bm in (128, 64) for g, p, d in ((16, 0, 0), (16, 1, 0), (16, 1, 1), (8, 1, 1))])
     # moe_gemm/cuda_fp8 Fp8GemmConfig::defines, warp-specialized (FP8_TENSOR_LARGE, FP8_BLOCK_LARGE):
-    # MODE, BLOCK_SCALED, STAGES, RASTER_GM (and PERSIST, DYNAMIC where the source takes them).
+    # MODE, BLOCK_SCALED, STAGES, RASTER_GM.
     add("moe_gemm_fp8_sm90_ws", "moe_gemm_fp8_sm90_ws.cu",
-        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")] + FP8_WS_EXTRA
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")]
           for m in (1, 2) for b in (0, 1)])
     return v
 
-
-# Defines the warp-specialized fp8 GEMMs take after RASTER_GM (none before the persistent grid).
-FP8_WS_EXTRA = []
 
 
 def label(family, defines):
