@@ -93,7 +93,19 @@ def variants():
     # Block-scaled: MODE, STAGES. FP8_BLOCK_SCALED 5; the fp8 harness's checks (3) and sweep (4, 5).
     add("moe_gemm_fp8_block_sm90", "moe_gemm_fp8_block_sm90.cu",
         *[[("MODE", str(m)), ("STAGES", str(st))] for m in (1, 2) for st in (5, 3, 4)])
+    # Sm90Pipe (SM90_LARGE and its experiments "pipe", "persist", "dyn", "dyn_gm8"; SM90_MID with
+    # BM 64): MODE, STAGES, RASTER_GM, BM, PERSIST, DYNAMIC.
+    add("moe_gemm_bf16_sm90_pipe", "moe_gemm_bf16_sm90_pipe.cu",
+        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g)), ("BM", str(bm)), ("PERSIST", str(p)),
+           ("DYNAMIC", str(d))]
+          for m in (1, 2) for bm in (128, 64) for g, p, d in ((16, 0, 0), (16, 1, 0), (16, 1, 1), (8, 1, 1))])
+    # moe_gemm/cuda_fp8 Fp8GemmConfig::defines, warp-specialized (FP8_TENSOR_LARGE, FP8_BLOCK_LARGE):
+    # MODE, BLOCK_SCALED, STAGES, RASTER_GM.
+    add("moe_gemm_fp8_sm90_ws", "moe_gemm_fp8_sm90_ws.cu",
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")]
+          for m in (1, 2) for b in (0, 1)])
     return v
+
 
 
 def label(family, defines):

@@ -10,9 +10,9 @@
 // MMA warpgroups fence the async proxy after `full[s]` (cp.async writes through the generic proxy).
 //
 // PERSIST=1: gridDim.x blocks walk the tiles in the same grouped order (RASTER_GM M blocks per
-// group, M fastest); the ring and its phases continue across tiles, so the loader fills the next
-// tile's stages while the MMA warps run the epilogue of this one, and no block launch or pipeline
-// fill sits between tiles. Block b takes tile b first, then t = b + i * gridDim.x (DYNAMIC=0), or
+// group, M fastest: pipe_tile of moe_tile.cuh); the ring and its phases continue across tiles, so
+// the loader fills the next tile's stages while the MMA warps run the epilogue of this one, and no
+// block launch or pipeline fill sits between tiles. Block b takes tile b first, then t = b + i * gridDim.x (DYNAMIC=0), or
 // (DYNAMIC=1) the next tile of a global counter (`tile_counter`, zeroed by the host; tile ids from
 // gridDim.x on), which keeps the SMs balanced like the hardware's block scheduler does: loader
 // thread 0 claims it and hands it to the other loaders (named barrier) and to the MMA warps (a
@@ -31,6 +31,7 @@
 #include "common/atomics.cuh"
 #include "common/math.cuh"
 #include "common/moe_epilogue.cuh"
+#include "common/moe_tile.cuh"
 #include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
 
@@ -67,25 +68,6 @@
 
 static_assert(BM == 64 || BM == 128, "two MMA warpgroups: 2 x 64 rows or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
-
-// Arrives on `bar` once every cp.async this thread issued so far has landed; counts as one of the
-// barrier's expected arrivals (.noinc).
-__device__ __forceinline__ void cp_async_arrive_noinc(unsigned int bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-// Tile t of the (n_tiles x m_blocks x splits) space in grouped order (raster_grouped of
-// moe_tile.cuh, with the split slowest).
-struct PipeTile {
-    unsigned int n_tile, m_block, split;
-};
-__device__ __forceinline__ PipeTile pipe_tile(unsigned int t, unsigned int n_tiles, unsigned int m_blocks) {
-    const unsigned int per_split = n_tiles * m_blocks;
-    const unsigned int split = t / per_split, lin = t - split * per_split;
-    const unsigned int group = lin / (RASTER_GM * n_tiles), rem = lin - group * (RASTER_GM * n_tiles);
-    const unsigned int m_first = group * RASTER_GM, rows = min((unsigned int)RASTER_GM, m_blocks - m_first);
-    return {rem / rows, m_first + rem % rows, split};
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
@@ -163,7 +145,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
         for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
-            const PipeTile tc = pipe_tile(t, n_tiles, m_blocks);
+            const PipeTile tc = pipe_tile(t, n_tiles, m_blocks, RASTER_GM);
             const unsigned int m0 = tc.m_block * BM;
             const unsigned int first = tc.split * per_split;
             const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
@@ -233,7 +215,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
     for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
-        const PipeTile tc = pipe_tile(t, n_tiles, m_blocks);
+        const PipeTile tc = pipe_tile(t, n_tiles, m_blocks, RASTER_GM);
         const unsigned int m0 = tc.m_block * BM;
         const unsigned int first = tc.split * per_split;
         const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));

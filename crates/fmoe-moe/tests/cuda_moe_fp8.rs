@@ -66,11 +66,15 @@ const LARGE: &[Case] = &[
 
 /// Large variants at their edges: exactly 128 routes per expert with GEMM2's reduction
 /// N = 2064 split over 4 K ranges (17 K blocks, the last ragged; N % 128 = 16, so GEMM1's up rows
-/// straddle two weight blocks); and, with [`skewed`] routing, 2048 routes on 16 experts of which
-/// only the first 8 get any (ragged N = 400, K = 384: GEMM2's second N tile half past K).
+/// straddle two weight blocks); with [`skewed`] routing, 2048 routes on 16 experts of which
+/// only the first 8 get any (ragged N = 400, K = 384: GEMM2's second N tile half past K); and
+/// for the persistent schedule, GEMM1 with one K step per tile and ~4 tiles per block (K = 128,
+/// 16 N tiles × 36 M blocks on 132 SMs: the ring wraps inside and across tiles, M blocks past
+/// the routes' total are claimed and skipped) and GEMM2 split over 4 K ranges of one N tile.
 const LARGE_EDGES: &[(Case, bool)] = &[
     (case(1024, 8, 256, 2064, 1), false),
     (case(1024, 16, 384, 400, 2), true),
+    (case(2048, 4, 128, 2048, 2), false),
 ];
 
 /// Routing logits that send every token to the first half of the experts (the others get no

@@ -34,4 +34,11 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Arrives on the mbarrier `bar` (shared-space address) once every cp.async this thread issued so
+// far has landed, counting as one of the barrier's expected arrivals (.noinc): a loader can end
+// each stage with it instead of waiting for its copies, so every stage of a ring is in flight.
+__device__ __forceinline__ void cp_async_arrive_noinc(unsigned int bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
 #endif  // FMOE_COMMON_ASYNC_COPY_CUH

@@ -43,4 +43,19 @@ __device__ __forceinline__ TileCoord raster_grouped(unsigned int gm) {
     return {rem / rows, m_first + rem % rows};
 }
 
+// The same order over a tile space the kernel walks itself (the persistent GEMMs): tile t of
+// (n_tiles x m_blocks x splits), groups of `gm` M blocks, M fastest inside a group, the K split
+// slowest.
+struct PipeTile {
+    unsigned int n_tile, m_block, split;
+};
+__device__ __forceinline__ PipeTile pipe_tile(unsigned int t, unsigned int n_tiles, unsigned int m_blocks,
+                                              unsigned int gm) {
+    const unsigned int per_split = n_tiles * m_blocks;
+    const unsigned int split = t / per_split, lin = t - split * per_split;
+    const unsigned int group = lin / (gm * n_tiles), rem = lin - group * (gm * n_tiles);
+    const unsigned int m_first = group * gm, rows = min(gm, m_blocks - m_first);
+    return {rem / rows, m_first + rem % rows, split};
+}
+
 #endif  // FMOE_COMMON_MOE_TILE_CUH

@@ -3,11 +3,11 @@
 
 use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
-use fmoe_core::{Device, Storage, Tensor};
+use fmoe_core::{DType, Device, Storage, Tensor};
 
 use super::support::{check_arch, pair_scheme};
 use super::{Fp8GemmConfig, Fp8Scheme};
-use crate::launch::{cuda_storage, opt_in_smem};
+use crate::launch::{cuda_storage, opt_in_smem, u32_arg};
 use crate::moe_align::AlignedRoutes;
 use crate::moe_gemm::cuda::{GemmGrid, gemm_grid};
 use crate::moe_gemm::tma::{TmaElem, weight_tensor_map};
@@ -192,6 +192,19 @@ pub(super) fn launch(
     let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm fp8: shared memory opt-in")?;
+    // The tile space; the warp-specialized kernels walk it with one persistent block per SM.
+    let (n_tiles32, m_blocks32, splits32) = grid;
+    let grid = if cfg.ws {
+        let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
+        let sms = backend.multiprocessor_count() as usize;
+        (
+            u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
+            1,
+            1,
+        )
+    } else {
+        grid
+    };
     let launch = LaunchConfig {
         grid_dim: grid,
         block_dim: (cfg.threads(), 1, 1),
@@ -284,6 +297,15 @@ pub(super) fn launch(
         b_map = weight_tensor_map(op, g.weight.q, TmaElem::Fp8, rows, g.kd, 128)?;
         b.arg(&b_map);
     }
+    let counter;
+    if cfg.ws {
+        // The tile space and the tile counter (zeroed per launch, one increment per claimed tile).
+        counter = CudaStorage::zeros(backend, DType::U32, 1)?;
+        b.arg(&n_tiles32)
+            .arg(&m_blocks32)
+            .arg(&splits32)
+            .arg(counter.buffer());
+    }
     // SAFETY: the arguments match the entry's parameters in order and type (pointers, then four
     // u32) for the compiled scheme, as written out above. The callers checked: the activation codes
     // are e4m3 [rows, kd] with rows = num_routes / top_k (MODE 1) or num_routes (MODE 2) and their
@@ -298,8 +320,10 @@ pub(super) fn launch(
     // num_routes f32 and y32 (num_routes / top_k)·n_out f32, zeroed since split-K and the top-k
     // sum add into it; each mode's unused pointers are null and never dereferenced by that mode;
     // MODE 1 runs with gridDim.z = 1; the dynamic shared memory is the source's formula for these
-    // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take one
-    // more argument, the weights' tensor map over [E · rows, kd] codes, pushed above.
+    // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take five
+    // more arguments, pushed above: the weights' tensor map over [E · rows, kd] codes, the tile
+    // space (three u32: N tiles, the M blocks of `sorted`, splits) that their grid of at most one
+    // block per SM walks, and a zeroed u32 tile counter.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
     Ok(())
 }

@@ -17,8 +17,10 @@
 //!   tensor-core sums of each 128-wide K tile are added into f32 registers: ~2e-4 relative GEMM
 //!   error instead of ~2e-3, free while bandwidth-bound);
 //! - per-tensor, large ([`FP8_TENSOR_LARGE`]): `cuda/moe_gemm_fp8_sm90_ws.cu`, 128 × 256 tiles,
-//!   warp-specialized (one cp.async loader warpgroup gathering A by route, the weights through TMA,
-//!   two wgmma warpgroups, a 4-deep mbarrier ring, grouped tile order), unpromoted (the whole
+//!   warp-specialized (one cp.async loader warpgroup gathering A by route with every stage of the
+//!   4-deep mbarrier ring in flight, the weights through TMA, two wgmma warpgroups), persistent
+//!   (one block per SM claiming tiles in grouped order from a global counter, the next tile's loads
+//!   overlapping this tile's epilogue, as the bf16 prefill GEMM), unpromoted (the whole
 //!   reduction stays in the tensor-core accumulator, ~2e-3 GEMM error). So per-tensor results differ
 //!   slightly with the batch size (the variant changes at 64 routes per expert), by about that
 //!   GEMM error, far below fp8's own ~6.5e-2;
@@ -30,7 +32,9 @@
 //!   group scales carried in the stage by the loaders.
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
-//! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384.
+//! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
+//! all stages in flight and the persistent grid added 1.03-1.13× (block) and up to 1.07×
+//! (per-tensor) ("fp8 prefill GEMMs: every stage in flight"; ncu: bound by L2→SM traffic).
 //! Dev-only [`DEV_FP8_LARGE_ENV`]`=sync` brings those back for comparison ([`FP8_TENSOR_SYNC`],
 //! and [`FP8_BLOCK_SCALED`] at every size).
 //!
@@ -104,8 +108,8 @@ pub struct Fp8GemmConfig {
     /// Per-tensor: `-D PROMOTE` (WG_N 128 only). The block kernels always promote.
     pub promote: bool,
     /// The warp-specialized kernel (`moe_gemm_fp8_sm90_ws.cu`: 128 × 256 tiles, one loader
-    /// warpgroup, weights through TMA, an mbarrier ring) instead of the kernel of its scheme whose
-    /// warpgroups all load and multiply.
+    /// warpgroup, weights through TMA, an mbarrier ring, a persistent grid of at most one block per
+    /// SM) instead of the kernel of its scheme whose warpgroups all load and multiply.
     pub ws: bool,
     /// `ws` only: blocks take their tiles in groups of this many M blocks (`-D RASTER_GM`).
     pub raster_gm: usize,
@@ -123,7 +127,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
-/// weights in grouped tile order.
+/// weights, persistent (tiles claimed in grouped order from a counter).
 pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::PerTensor,
     bm: 128,
@@ -155,7 +159,7 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
-/// promoted per 128-wide K block, grouped tile order.
+/// promoted per 128-wide K block, persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
