@@ -22,6 +22,10 @@
 // Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
+// Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
+// padding skip its wgmma (an expert's last block) was measured slower on the H200 (DeepSeek-V3
+// GEMM1 at M = 8192 +22 %, with or without a barrier keeping the warpgroups in step; BENCHMARKS.md),
+// probably because the faster tiles fall out of step with those that share their weight tiles in L2.
 //
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
 
@@ -73,9 +77,6 @@ static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's"
 __device__ __forceinline__ void cp_async_arrive_noinc(unsigned int bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-
-// The two MMA warpgroups (256 threads) wait for each other; the loaders use barrier 1.
-__device__ __forceinline__ void mma_warpgroups_sync() { asm volatile("bar.sync 2, 256;\n" ::: "memory"); }
 
 // Tile t of the (n_tiles x m_blocks x splits) space in grouped order (raster_grouped of
 // moe_tile.cuh, with the split slowest).
@@ -242,23 +243,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
         if (m0 >= m_total || ktiles == 0) continue;
 
-        // An expert's last M block often holds 64 routes or fewer (its routes come first, the
-        // padding after them): the warpgroup of rows 64..127 then has nothing to multiply. It only
-        // hands each stage back to the loader, and the other warpgroup's m64n256 wgmma has the
-        // tensor cores to itself. Both warpgroups meet at the end of every tile (named barrier
-        // 2): a warpgroup that ran ahead into the next tile would consume its stages as they
-        // land, and the loader, which refills a slot only once both released it, would be left
-        // one stage ahead for the rest of the kernel (measured: DeepSeek-V3 GEMM1 at M = 8192
-        // 22 % slower without the barrier).
-        if (BM == 128 && sorted_routes[m0 + cm * 64] >= num_routes) {
-            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
-                mbar_wait(full0 + 8 * (it % STAGES), (it / STAGES) & 1);
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty0 + 8 * (it % STAGES));
-            }
-            mma_warpgroups_sync();
-            continue;
-        }
         float acc[CW_N / 2];
 #pragma unroll
         for (int i = 0; i < CW_N / 2; ++i) acc[i] = 0.0f;
@@ -306,6 +290,5 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                                    tc.n_tile * WG_N + cn * CW_N, n_out);
 #endif
         }
-        mma_warpgroups_sync();
     }
 }

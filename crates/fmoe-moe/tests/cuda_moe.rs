@@ -138,13 +138,13 @@ fn large_shapes_match_the_f64_reference() {
     run_cases(LARGE, 8000);
 }
 
-/// Experts whose last 128-row tile has 64 routes or fewer leave the second MMA warpgroup of the
-/// prefill GEMM idle for that tile (its rows are all padding). Routes per expert chosen around
-/// the edges: 2, 64 (the second half empty exactly), 65 (one live row in it), 127, 128 (one full
-/// tile), 129 and 192 (a second tile with 1 and 64 routes), 193; 112 per expert on average, so
-/// the 128-row kernel runs, and N = 2040 gives GEMM2 a split reduction with a ragged last K tile.
+/// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
+/// warpgroup halves: 2, 64 (the second half all padding), 65 (one live row in it), 127, 128 (one
+/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193; 112 per expert on average,
+/// so the 128-row kernel runs, and N = 2040 gives GEMM2 a split reduction with a ragged last K
+/// tile.
 #[test]
-fn large_tiles_with_an_empty_half_match_the_f64_reference() {
+fn large_tile_edges_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {
         return;
     }
@@ -167,7 +167,7 @@ fn large_tiles_with_an_empty_half_match_the_f64_reference() {
         ids: Tensor::from_vec(ids, [c.m, 2], &CUDA).unwrap(),
         weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
     };
-    let ((), launches) = trace_launches(|| check_case("tiles with an empty half", &c, &inp, &topk));
+    let ((), launches) = trace_launches(|| check_case("128-row tile edges", &c, &inp, &topk));
     assert!(
         launches
             .iter()
