@@ -24,8 +24,9 @@
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
 // Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
 // padding skip its wgmma (an expert's last block) was measured slower on the H200 (DeepSeek-V3
-// GEMM1 at M = 8192 +22 %, with or without a barrier keeping the warpgroups in step; BENCHMARKS.md),
-// probably because the faster tiles fall out of step with those that share their weight tiles in L2.
+// GEMM1 at M = 8192 +22 %, with or without a barrier keeping the warpgroups in step;
+// BENCHMARKS.md), probably because the faster tiles fall out of step with those that share their
+// weight tiles in L2.
 //
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
 
