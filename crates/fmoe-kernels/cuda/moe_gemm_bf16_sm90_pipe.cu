@@ -22,6 +22,11 @@
 // Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
+// Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
+// padding skip its wgmma (an expert's last block) was measured slower on the H200 (DeepSeek-V3
+// GEMM1 at M = 8192 +22 %, with or without a barrier keeping the warpgroups in step;
+// BENCHMARKS.md), probably because the faster tiles fall out of step with those that share their
+// weight tiles in L2.
 //
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
 

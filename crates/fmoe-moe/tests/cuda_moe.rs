@@ -21,6 +21,7 @@ use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::moe_gemm::CUDA_BLOCK_M;
+use fmoe_kernels::nvrtc::trace_launches;
 use fmoe_kernels::quant_fp8::{self, FP8_BLOCK};
 use fmoe_kernels::routing::{TopK, topk_softmax};
 use fmoe_moe::reference::{moe_f64, rel_err};
@@ -135,6 +136,44 @@ fn large_shapes_match_the_f64_reference() {
         return;
     }
     run_cases(LARGE, 8000);
+}
+
+/// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
+/// warpgroup halves: 2, 64 (the second half all padding), 65 (one live row in it), 127, 128 (one
+/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193; 112 per expert on average,
+/// so the 128-row kernel runs, and N = 2040 gives GEMM2 a split reduction with a ragged last K
+/// tile.
+#[test]
+fn large_tile_edges_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193];
+    let routes: usize = counts.iter().sum();
+    let c = case(routes / 2, counts.len(), 256, 2040, 2);
+    let inp = inputs(&c, 9100);
+    // Expert ids in runs, token t taking runs[t] and runs[t + M]: two different experts per
+    // token, as no expert has more than M routes.
+    let runs: Vec<u32> = (0u32..)
+        .zip(counts)
+        .flat_map(|(e, n)| std::iter::repeat_n(e, n))
+        .collect();
+    assert!(counts.iter().all(|&n| n <= c.m));
+    let ids: Vec<u32> = (0..c.m).flat_map(|t| [runs[t], runs[t + c.m]]).collect();
+    let weights: Vec<f32> = (0..c.m)
+        .flat_map(|t| [0.25 + (t % 7) as f32 * 0.1, 0.5])
+        .collect();
+    let topk = TopK {
+        ids: Tensor::from_vec(ids, [c.m, 2], &CUDA).unwrap(),
+        weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
+    };
+    let ((), launches) = trace_launches(|| check_case("128-row tile edges", &c, &inp, &topk));
+    assert!(
+        launches
+            .iter()
+            .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains("BM=128")),
+        "the 128-row prefill GEMM did not run: {launches:?}"
+    );
 }
 
 #[test]
