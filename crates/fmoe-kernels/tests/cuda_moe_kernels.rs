@@ -212,8 +212,8 @@ fn rel(got: &[f32], want: &[f32]) -> f64 {
 }
 
 /// The fp8 grouped GEMMs (GEMM1 with SiLU⊙mul and h's quantization, GEMM2 with the weighted top-k
-/// sum) of both schemes, with routes aligned to 64 (the decode kernels) and to 128 (the
-/// warp-specialized prefill kernels), against the CPU twin on the same quantized operands. Ragged
+/// sum) of both schemes, with routes aligned to 16 (the swap-AB decode kernels), 64 (the 64-route
+/// tiles) and to 128 (the warp-specialized prefill kernels), at M = 1, 5, 32 and 1500, against the CPU twin on the same quantized operands. Ragged
 /// K = 272 and N = 1040 (not multiples of 128 or 256: N % 128 = 16, so GEMM1's up rows straddle
 /// two weight blocks), only half the experts routed to, GEMM2 split over K (2 splits of its 9 K
 /// blocks at both M).
@@ -247,7 +247,7 @@ fn fp8_grouped_gemms_match_the_cpu_twin_at_both_m_tiles() {
         (ActQuant::Fp8PerTensor, per_tensor(&w13), per_tensor(&w2)),
         (ActQuant::Fp8Group, block(&w13), block(&w2)),
     ];
-    for m in [32usize, 1500] {
+    for m in [1usize, 5, 32, 1500] {
         let x = Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
         let ids: Vec<u32> = (0..m * top_k)
             .map(|_| rng.random_range(0..e / 2) as u32)
@@ -266,7 +266,7 @@ fn fp8_grouped_gemms_match_the_cpu_twin_at_both_m_tiles() {
             let ag = a.to_device(CUDA).unwrap();
             let (w13g, w2g) = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
             let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
-            for bm in [64, 128] {
+            for bm in [16, 64, 128] {
                 let what = format!("{quant:?} M={m} block_m={bm}");
                 let routes = align_routes(&idsg, e, bm).unwrap();
                 let (h, check) =

@@ -191,6 +191,7 @@ fn catalog_covers_every_source_and_gemm_config() {
         "moe_gemm_fp8_block_sm90",
         "moe_gemm_fp8_sm90",
         "moe_gemm_fp8_sm90_ws",
+        "moe_gemm_fp8_swapab_sm90",
         "moe_unfused",
         "norm",
         "quant_fp8",
@@ -214,8 +215,8 @@ fn catalog_covers_every_source_and_gemm_config() {
             &text[..text.len().min(200)]
         );
     }
-    // Both M tiles are aligned for, as the GEMMs need.
-    for bm in ["64u", "128u"] {
+    // Every M tile is aligned for, as the GEMMs need (16: the swap-AB decode kernels).
+    for bm in ["16u", "64u", "128u"] {
         assert!(
             variants
                 .iter()

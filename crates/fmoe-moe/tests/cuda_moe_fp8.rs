@@ -77,6 +77,21 @@ const LARGE_EDGES: &[(Case, bool)] = &[
     (case(2048, 4, 128, 2048, 2), false),
 ];
 
+/// Decode-sized batches (fewer than 16 routes per expert on average): the swap-AB kernels of both
+/// schemes. M = 1..16; E = 1 (one expert, 15 routes: one full block), E = 256 top-8 (most experts
+/// without routes); N = 80 and 144 (one ragged GEMM1 N tile), N = 1040 (N % 128 = 16: the up rows
+/// straddle two weight blocks) and 2064 (GEMM2 reduction of 17 K blocks, split); K = 144, 272 and
+/// 400 (ragged last K block) and 1040 (GEMM2's output ragged past 4 tiles of 256).
+const SWAPAB: &[Case] = &[
+    case(1, 1, 144, 80, 1),
+    case(1, 8, 256, 208, 2),
+    case(2, 256, 384, 272, 8),
+    case(7, 16, 272, 1040, 8),
+    case(13, 4, 400, 144, 2),
+    case(15, 1, 1040, 2064, 1),
+    case(16, 256, 512, 144, 8),
+];
+
 /// Routing logits that send every token to the first half of the experts (the others get no
 /// routes), keeping the average per expert for the variant choice.
 fn skewed(c: &Case, mut inp: Inputs) -> Inputs {
@@ -229,6 +244,22 @@ fn large_fp8_layers_at_the_edges_match_the_f64_reference() {
     }
 }
 
+#[test]
+fn decode_fp8_layers_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    run_cases(SWAPAB, 20_000);
+    // Skewed: 80 routes on the first 4 of 8 experts (10 per expert on average, so swap-AB, but
+    // about 20 on each routed expert: two 16-route blocks share an expert's weight tiles).
+    let c = case(40, 8, 256, 208, 2);
+    check_case(
+        &format!("{c:?} skewed"),
+        &c,
+        &skewed(&c, inputs(&c, 20_100)),
+    );
+}
+
 /// One large layer (both schemes' warp-specialized kernels, split-K GEMM2, ragged tiles) for
 /// `compute-sanitizer --tool memcheck`.
 #[test]
@@ -252,6 +283,8 @@ fn sanitizer_tiny_fp8_layers() {
             case(5, 1, 144, 80, 1),
             case(33, 4, 272, 208, 4),
             case(3, 256, 128, 144, 8),
+            case(7, 16, 272, 1040, 8),
+            case(15, 1, 1040, 2064, 1),
         ],
         19_000,
     );
@@ -297,6 +330,7 @@ fn launched(trace: &[String]) -> (bool, bool, Vec<&'static str>) {
         "moe_gemm_bf16_sm90/",
         "moe_gemm_fp8_sm90/",
         "moe_gemm_fp8_block_sm90/",
+        "moe_gemm_fp8_swapab_sm90/",
     ]
     .into_iter()
     .filter(|f| trace.iter().any(|t| t.starts_with(f)))
@@ -309,14 +343,19 @@ fn dispatch_truth_table_holds_on_cuda_per_scheme() {
     if test_backend_or_skip().is_none() {
         return;
     }
+    // 10 routes on 4 experts: the fp8 schemes run the swap-AB decode kernel (entry per scheme).
     let c = case(5, 4, 128, 64, 2);
     let inp = inputs(&c, 19_600);
     let x = inp.x.to_device(CUDA).unwrap();
     let logits = inp.logits.to_device(CUDA).unwrap();
     let gemm_family = |scheme: QuantScheme| match scheme {
         QuantScheme::Unquantized => "moe_gemm_bf16",
-        QuantScheme::Fp8PerTensor => "moe_gemm_fp8_sm90/",
-        QuantScheme::Fp8Block => "moe_gemm_fp8_block_sm90/",
+        QuantScheme::Fp8PerTensor | QuantScheme::Fp8Block => "moe_gemm_fp8_swapab_sm90/",
+    };
+    let gemm_entry = |scheme: QuantScheme| match scheme {
+        QuantScheme::Unquantized => "",
+        QuantScheme::Fp8PerTensor => "/fmoe_moe_gemm_fp8[",
+        QuantScheme::Fp8Block => "/fmoe_moe_gemm_fp8_block[",
     };
     let bools = [false, true];
     for use_fused in bools {
@@ -356,6 +395,11 @@ fn dispatch_truth_table_holds_on_cuda_per_scheme() {
                     assert!(
                         gemms.len() == 1 && gemms[0].starts_with(gemm_family(scheme)),
                         "{what}: grouped GEMMs {gemms:?} in {trace:?}"
+                    );
+                    assert!(
+                        trace.iter().any(|t| t.contains(gemm_entry(scheme))),
+                        "{what}: entry {} not in {trace:?}",
+                        gemm_entry(scheme)
                     );
                 }
             }

@@ -32,6 +32,16 @@ __device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity)
 __device__ __forceinline__ void mbar_expect_tx(unsigned int bar, unsigned int bytes) {
     asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
 }
+// One arrival that also raises the current phase's expected bulk-copy bytes (before the copies
+// are issued, so the phase cannot complete without them).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned int bar, unsigned int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// An arrival on `bar` once every cp.async this thread issued so far has landed (.noinc: the
+// barrier's expected count already includes it), so a loader never waits on its own copies.
+__device__ __forceinline__ void cp_async_mbar_arrive(unsigned int bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Box (x = k0, y = row0) of the tensor map into shared memory at dst; completes bytes on bar.
 __device__ __forceinline__ void tma_load_2d(unsigned int dst, const TmaDesc* map, int x, int y, unsigned int bar) {
     asm volatile(

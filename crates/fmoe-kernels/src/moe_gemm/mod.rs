@@ -41,8 +41,9 @@ pub use cuda::{
     SM90_SMALL,
 };
 pub use cuda_fp8::{
-    DEV_FP8_LARGE_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_SCALED, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE,
-    FP8_TENSOR_LARGE, FP8_TENSOR_SMALL, FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme,
+    DEV_FP8_LARGE_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_SCALED, FP8_BLOCK_SWAPAB,
+    FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL, FP8_TENSOR_SWAPAB,
+    FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme, SWAPAB_ROUTES_PER_EXPERT,
 };
 pub use operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 
@@ -90,8 +91,9 @@ pub fn block_m(
 }
 
 /// The `block_m` the fused GEMMs need for weights `w13` (its operand kind picks the kernel): on
-/// CUDA the M tile of [`GemmConfig::select`] (bf16) or [`Fp8GemmConfig::select`] (fp8: 64 below
-/// 128 routes per expert, 128 from there); on the CPU `cpu_block_m`.
+/// CUDA the M tile of [`GemmConfig::select`] (bf16) or [`Fp8GemmConfig::select`] (fp8: 16 below
+/// [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert, 64 below the large-tile threshold, 128 from
+/// there); on the CPU `cpu_block_m`.
 pub fn block_m_for(
     device: Device,
     cpu_block_m: usize,

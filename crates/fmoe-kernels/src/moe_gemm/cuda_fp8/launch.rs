@@ -91,7 +91,7 @@ pub(super) fn fp8_routes<'a>(
             format!(
                 "routes are aligned to block_m = {}; the CUDA {scheme:?} fp8 GEMM takes {} (its M \
                  tiles)",
-                routes.block_m, "64 or 128"
+                routes.block_m, "16, 64 or 128"
             ),
         ));
     };
@@ -159,20 +159,22 @@ pub(super) fn launch(
         ));
     }
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
-    let splits = if g.mode == 2 {
-        cfg.splits(
-            g.num_routes,
-            g.experts,
-            g.routes.slots,
-            n_tiles,
-            g.kd,
-            backend.multiprocessor_count() as usize,
-        )
+    let sms = backend.multiprocessor_count() as usize;
+    // Swap-AB: only the route blocks that can be busy, and the split that evens the waves.
+    let blocks_m = if cfg.swap_ab {
+        cfg.swap_ab_blocks(g.num_routes, g.experts, g.routes.slots)
+    } else {
+        blocks_m
+    };
+    let splits = if g.mode == 2 && cfg.swap_ab {
+        cfg.swap_ab_splits(blocks_m * n_tiles, g.kd, sms)
+    } else if g.mode == 2 {
+        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
     } else {
         1
     };
     let GemmGrid {
-        grid,
+        mut grid,
         num_routes,
         top_k,
         kd,
@@ -188,6 +190,10 @@ pub(super) fn launch(
         n_tiles,
         splits,
     )?;
+    if cfg.swap_ab {
+        // Route blocks fastest: an expert's blocks run together and share its weight tiles.
+        grid = (grid.1, grid.0, grid.2);
+    }
     let (family, source, entry) = cfg.source();
     let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
     let smem = cfg.smem_bytes();
@@ -291,7 +297,7 @@ pub(super) fn launch(
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
     let b_map;
-    if cfg.ws {
+    if cfg.ws || cfg.swap_ab {
         // All experts' rows; each tile is two boxes of 128 rows (gate and up, or two halves).
         let rows = g.weight.q.len() / g.kd.max(1);
         b_map = weight_tensor_map(op, g.weight.q, TmaElem::Fp8, rows, g.kd, 128)?;
@@ -323,7 +329,8 @@ pub(super) fn launch(
     // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take five
     // more arguments, pushed above: the weights' tensor map over [E · rows, kd] codes, the tile
     // space (three u32: N tiles, the M blocks of `sorted`, splits) that their grid of at most one
-    // block per SM walks, and a zeroed u32 tile counter.
+    // block per SM walks, and a zeroed u32 tile counter. Swap-AB variants take the tensor map only;
+    // their grids put the route blocks (at most the slots' blocks) in x and the N tiles in y.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
     Ok(())
 }

@@ -26,6 +26,14 @@
 //!   GEMM error, far below fp8's own ~6.5e-2;
 //! - block, small ([`FP8_BLOCK_SCALED`]): `moe_gemm_fp8_block_sm90.cu`, BM 64, 256 weight rows,
 //!   5 stages (always promoted);
+//! - both schemes, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] = 16 on average:
+//!   decode) ([`FP8_TENSOR_SWAPAB`], [`FP8_BLOCK_SWAPAB`]): `moe_gemm_fp8_swapab_sm90.cu`, "swap-AB":
+//!   the weights are the wgmma M operand (64-row slabs of a 256-row tile through TMA, a 3-deep
+//!   mbarrier ring fed by one loader warp, two blocks per SM) and the 16 routes of one expert's block its N
+//!   (m64n16k32), promoted per 128-wide K tile (block scales per route column and weight row);
+//!   same epilogues and outputs. Only the route blocks that can be busy are launched, and GEMM2's
+//!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
+//!   brings the 64-route kernels back there;
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
 //!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's two
 //!   128-row halves in turn into a 64-register partial and promotes it; setmaxnreg 40 / 232), A's
@@ -113,6 +121,9 @@ pub struct Fp8GemmConfig {
     pub ws: bool,
     /// `ws` only: blocks take their tiles in groups of this many M blocks (`-D RASTER_GM`).
     pub raster_gm: usize,
+    /// The swap-AB decode kernel (`moe_gemm_fp8_swapab_sm90.cu`): weights as the MMA's M operand
+    /// (256 weight rows per block through TMA), the `bm` = 16 routes of one expert as its N.
+    pub swap_ab: bool,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -124,6 +135,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     promote: true,
     ws: false,
     raster_gm: 0,
+    swap_ab: false,
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
@@ -136,6 +148,7 @@ pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     promote: false,
     ws: true,
     raster_gm: 16,
+    swap_ab: false,
 };
 
 /// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
@@ -156,6 +169,7 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     promote: true,
     ws: false,
     raster_gm: 0,
+    swap_ab: false,
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
@@ -168,7 +182,58 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     promote: true,
     ws: true,
     raster_gm: 16,
+    swap_ab: false,
 };
+
+/// Per-tensor, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] on average): swap-AB,
+/// 256 weight rows × 16 routes per block, promoted per 128-wide K tile, a 3-deep TMA ring (103
+/// KiB: two blocks per SM, 192 KiB of weights in flight per SM; on the H200 3 stages beat 4 and
+/// 6, one block per SM, by 1-5 %, BENCHMARKS.md).
+pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
+    scheme: Fp8Scheme::PerTensor,
+    bm: 16,
+    wg_n: 256,
+    stages: 3,
+    promote: true,
+    ws: false,
+    raster_gm: 0,
+    swap_ab: true,
+};
+
+/// Block-scaled, few routes per expert: the swap-AB kernel with `BLOCK_SCALED=1`.
+pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
+    scheme: Fp8Scheme::Block,
+    ..FP8_TENSOR_SWAPAB
+};
+
+/// Below this many routes per expert on average the swap-AB variants run (one 16-route block per
+/// expert on average; with more, an expert's blocks each stream its weights, through L2).
+pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
+
+/// Dev-only: `FMOE_DEV_SWAPAB=off` runs few-routes batches on the 64-route kernels the swap-AB
+/// ones replaced; a number sets the swap-AB ring depth (not a catalog variant: compiled when
+/// used). Read once per process; not a user setting; "on" or unset = the default.
+pub const DEV_SWAPAB_ENV: &str = "FMOE_DEV_SWAPAB";
+
+/// [`DEV_SWAPAB_ENV`]: `None` = off, `Some(stages)` otherwise (an unknown value is reported once
+/// on stderr and ignored).
+fn dev_swapab() -> Option<usize> {
+    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(DEV_SWAPAB_ENV).as_deref() {
+        Err(_) | Ok("on") => Some(FP8_TENSOR_SWAPAB.stages),
+        Ok("off") => None,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (2..=6).contains(&n) => Some(n),
+            _ => {
+                eprintln!(
+                    "fmoe: {DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
+                     using the default"
+                );
+                Some(FP8_TENSOR_SWAPAB.stages)
+            }
+        },
+    })
+}
 
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
@@ -201,11 +266,15 @@ const BLOCK_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_block_sm90.cu")
 const BLOCK_ENTRY: &str = "fmoe_moe_gemm_fp8_block";
 const WS_FAMILY: &str = "moe_gemm_fp8_sm90_ws";
 const WS_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_sm90_ws.cu");
+const SWAPAB_FAMILY: &str = "moe_gemm_fp8_swapab_sm90";
+const SWAPAB_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_swapab_sm90.cu");
 /// K and N must be multiples of this (16-byte rows of e4m3 codes).
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 5] = [
+pub(super) const ALL: [Fp8GemmConfig; 7] = [
+    FP8_TENSOR_SWAPAB,
+    FP8_BLOCK_SWAPAB,
     FP8_TENSOR_SMALL,
     FP8_TENSOR_LARGE,
     FP8_TENSOR_SYNC,
@@ -233,8 +302,22 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
+        if let Some(stages) = dev_swapab()
+            && num_routes < SWAPAB_ROUTES_PER_EXPERT * experts.max(1)
+        {
+            return Self::swap_ab(scheme, stages);
+        }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
         Self::select_with(scheme, large, dev_sync())
+    }
+
+    /// The swap-AB variant of `scheme` with a ring of `stages`.
+    const fn swap_ab(scheme: Fp8Scheme, stages: usize) -> Fp8GemmConfig {
+        let base = match scheme {
+            Fp8Scheme::PerTensor => FP8_TENSOR_SWAPAB,
+            Fp8Scheme::Block => FP8_BLOCK_SWAPAB,
+        };
+        Fp8GemmConfig { stages, ..base }
     }
 
     /// [`Self::select`] once the batch size is judged (`large`), with `sync` =
@@ -252,12 +335,20 @@ impl Fp8GemmConfig {
     /// The variant of `scheme` that consumes routes aligned to `block_m` (per-tensor 128: the
     /// one [`DEV_FP8_LARGE_ENV`] picks).
     pub fn for_block_m(scheme: Fp8Scheme, block_m: usize) -> Option<Fp8GemmConfig> {
-        Self::for_block_m_with(scheme, block_m, dev_sync())
+        let stages = dev_swapab().unwrap_or(FP8_TENSOR_SWAPAB.stages);
+        Self::for_block_m_with(scheme, block_m, dev_sync(), stages)
     }
 
-    fn for_block_m_with(scheme: Fp8Scheme, block_m: usize, sync: bool) -> Option<Fp8GemmConfig> {
+    fn for_block_m_with(
+        scheme: Fp8Scheme,
+        block_m: usize,
+        sync: bool,
+        swapab_stages: usize,
+    ) -> Option<Fp8GemmConfig> {
         let tensor_large = Self::select_with(Fp8Scheme::PerTensor, true, sync);
         [
+            Self::swap_ab(Fp8Scheme::PerTensor, swapab_stages),
+            Self::swap_ab(Fp8Scheme::Block, swapab_stages),
             FP8_TENSOR_SMALL,
             tensor_large,
             FP8_BLOCK_SCALED,
@@ -270,6 +361,9 @@ impl Fp8GemmConfig {
     /// Output columns per block: MODE 1 pairs gate with up rows (half the weight rows), MODE 2
     /// writes one column per weight row.
     pub const fn n_tile(&self, mode: u32) -> usize {
+        if self.swap_ab {
+            return if mode == 1 { 128 } else { 256 };
+        }
         match (self.scheme, mode) {
             (Fp8Scheme::PerTensor, 1) => self.wg_n / 2,
             (Fp8Scheme::PerTensor, _) => self.wg_n,
@@ -279,6 +373,9 @@ impl Fp8GemmConfig {
     }
 
     pub const fn threads(&self) -> u32 {
+        if self.swap_ab {
+            return 288;
+        }
         match (self.ws, self.scheme) {
             (true, _) => 384,
             (false, Fp8Scheme::PerTensor) => (self.bm / 64 * 128) as u32,
@@ -288,6 +385,9 @@ impl Fp8GemmConfig {
 
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
+        if self.swap_ab {
+            return (self.stages * (256 + self.bm) * 128 + 1024) as u32;
+        }
         (match (self.ws, self.scheme) {
             (true, _) => self.stages * (128 + 256) * 128 + 1024,
             (false, Fp8Scheme::PerTensor) => self.stages * (self.bm + self.wg_n) * 128 + 1024,
@@ -297,6 +397,13 @@ impl Fp8GemmConfig {
 
     /// (family, source, entry). The warp-specialized source has both schemes' entry points.
     fn source(&self) -> (&'static str, &'static str, &'static str) {
+        if self.swap_ab {
+            let entry = match self.scheme {
+                Fp8Scheme::PerTensor => TENSOR_ENTRY,
+                Fp8Scheme::Block => BLOCK_ENTRY,
+            };
+            return (SWAPAB_FAMILY, SWAPAB_SRC, entry);
+        }
         match (self.ws, self.scheme) {
             (true, Fp8Scheme::PerTensor) => (WS_FAMILY, WS_SRC, TENSOR_ENTRY),
             (true, Fp8Scheme::Block) => (WS_FAMILY, WS_SRC, BLOCK_ENTRY),
@@ -307,6 +414,12 @@ impl Fp8GemmConfig {
 
     fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
         let mut d = vec![("MODE", mode.to_string())];
+        if self.swap_ab {
+            let block = u32::from(self.scheme == Fp8Scheme::Block);
+            d.push(("BLOCK_SCALED", block.to_string()));
+            d.push(("STAGES", self.stages.to_string()));
+            return d;
+        }
         if self.ws {
             let block = u32::from(self.scheme == Fp8Scheme::Block);
             d.push(("BLOCK_SCALED", block.to_string()));
@@ -341,6 +454,26 @@ impl Fp8GemmConfig {
         super::cuda::split_k(
             num_routes, experts, slots, self.bm, n_tiles, max_splits, sms,
         )
+    }
+
+    /// Route blocks a swap-AB launch covers: the busy ones are at most ceil(routes / bm) plus one
+    /// partial block per expert with routes, so decode launches no blocks that would only exit
+    /// (DeepSeek-V3 at M = 1: 8 instead of 240).
+    pub fn swap_ab_blocks(&self, num_routes: usize, experts: usize, slots: usize) -> usize {
+        (slots / self.bm).min(num_routes / self.bm + experts.min(num_routes))
+    }
+
+    /// Swap-AB GEMM2's split-K factor for `ctas` blocks (route blocks × N tiles) before splitting:
+    /// the one (≤ a quarter of the K tiles) that minimizes waves × K tiles per block over `sms` SMs with as many blocks per SM as shared memory holds, the
+    /// fewest splits on a tie (fewer partial sums into y).
+    pub fn swap_ab_splits(&self, ctas: usize, kd: usize, sms: usize) -> usize {
+        let ktiles = kd.div_ceil(128).max(1);
+        let per_sm = (228 * 1024 / (self.smem_bytes() as usize + 1024)).max(1);
+        let slots = (sms * per_sm).max(1);
+        let cost = |s: usize| (ctas * s).div_ceil(slots) * ktiles.div_ceil(s);
+        (1..=(ktiles / 4).max(1))
+            .min_by_key(|&s| (cost(s), s))
+            .unwrap_or(1)
     }
 }
 
@@ -403,7 +536,12 @@ mod tests {
         assert_eq!(FP8_BLOCK_SCALED.smem_bytes(), 5 * 40_960 + 1024);
         for c in ALL {
             assert!(c.smem_bytes() <= 227 * 1024, "{c:?}");
-            assert!(!c.promote || c.scheme == Fp8Scheme::Block || c.wg_n == 128);
+            assert!(!c.promote || c.scheme == Fp8Scheme::Block || c.wg_n == 128 || c.swap_ab);
+            // Swap-AB: 16-route blocks of 256 weight rows, no other kernel's flags.
+            assert!(
+                !c.swap_ab || ((c.bm, c.wg_n) == (16, 256) && !c.ws),
+                "{c:?}"
+            );
             // Warp-specialized: 128 × 256 tiles only.
             assert!(!c.ws || (c.bm, c.wg_n) == (128, 256), "{c:?}");
         }
@@ -436,9 +574,69 @@ mod tests {
     }
 
     #[test]
+    fn swap_ab_variants_and_their_grid() {
+        for c in [FP8_TENSOR_SWAPAB, FP8_BLOCK_SWAPAB] {
+            assert_eq!((c.n_tile(1), c.n_tile(2), c.threads()), (128, 256, 288));
+            assert_eq!(c.smem_bytes(), 3 * (256 + 16) * 128 + 1024);
+            assert_eq!(c.source().0, SWAPAB_FAMILY);
+        }
+        assert_eq!(FP8_TENSOR_SWAPAB.source().2, TENSOR_ENTRY);
+        assert_eq!(FP8_BLOCK_SWAPAB.source().2, BLOCK_ENTRY);
+        assert_eq!(
+            FP8_BLOCK_SWAPAB.defines(2),
+            [
+                ("MODE", "2".to_string()),
+                ("BLOCK_SCALED", "1".to_string()),
+                ("STAGES", "3".to_string())
+            ]
+        );
+        let c = FP8_TENSOR_SWAPAB;
+        // DeepSeek-V3 decode, M = 1: 8 routes on 8 of 256 experts, 8 + 256 · 15 slots.
+        assert_eq!(c.swap_ab_blocks(8, 256, 8 + 256 * 15), 8);
+        // 64 routes, 8 experts: at most 4 full blocks + one partial per expert.
+        assert_eq!(c.swap_ab_blocks(64, 8, 1024), 12);
+        // Never more than the slots hold.
+        assert_eq!(c.swap_ab_blocks(3, 8, 16), 1);
+        // Mixtral GEMM2 at M = 1: 2 blocks × 16 N tiles, 112 K tiles, 132 SMs with two blocks
+        // each (103 KiB): 8 splits fill one wave of 256 blocks with 14 K tiles each.
+        assert_eq!(c.swap_ab_splits(32, 14336, 132), 8);
+        // Short reductions are never split.
+        assert_eq!(c.swap_ab_splits(2, 256, 132), 1);
+        // Whole waves already: splitting only adds partial sums; a ragged last wave is evened.
+        assert_eq!(c.swap_ab_splits(8 * 132, 2048, 132), 1);
+        assert_eq!(c.swap_ab_splits(300, 2048, 132), 4);
+    }
+
+    #[test]
     fn selection_uses_the_bf16_rule_and_block_m_finds_the_variant() {
         use Fp8Scheme::*;
-        assert_eq!(Fp8GemmConfig::select(PerTensor, 2, 8), FP8_TENSOR_SMALL);
+        // Few routes per expert: swap-AB (the default of the dev switch).
+        assert_eq!(Fp8GemmConfig::select(PerTensor, 2, 8), FP8_TENSOR_SWAPAB);
+        assert_eq!(Fp8GemmConfig::select(Block, 8, 256), FP8_BLOCK_SWAPAB);
+        assert_eq!(
+            Fp8GemmConfig::select(PerTensor, 16 * 8 - 1, 8),
+            FP8_TENSOR_SWAPAB
+        );
+        assert_eq!(
+            Fp8GemmConfig::select(PerTensor, 16 * 8, 8),
+            FP8_TENSOR_SMALL
+        );
+        assert_eq!(Fp8GemmConfig::select(Block, 16 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(
+            Fp8GemmConfig::for_block_m(PerTensor, 16),
+            Some(FP8_TENSOR_SWAPAB)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_block_m(Block, 16),
+            Some(FP8_BLOCK_SWAPAB)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_block_m_with(Block, 16, false, 6),
+            Some(Fp8GemmConfig {
+                stages: 6,
+                ..FP8_BLOCK_SWAPAB
+            })
+        );
         assert_eq!(
             Fp8GemmConfig::select(PerTensor, 63 * 8, 8),
             FP8_TENSOR_SMALL
@@ -468,7 +666,7 @@ mod tests {
             FP8_TENSOR_SMALL
         );
         assert_eq!(
-            Fp8GemmConfig::for_block_m_with(PerTensor, 128, true),
+            Fp8GemmConfig::for_block_m_with(PerTensor, 128, true, 4),
             Some(FP8_TENSOR_SYNC)
         );
         assert_eq!(
@@ -487,7 +685,7 @@ mod tests {
             Fp8GemmConfig::for_block_m(Block, 128),
             Some(FP8_BLOCK_LARGE)
         );
-        assert_eq!(Fp8GemmConfig::for_block_m(Block, 16), None);
+        assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), None);
     }
 
     #[test]

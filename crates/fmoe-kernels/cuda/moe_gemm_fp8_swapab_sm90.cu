@@ -1,0 +1,368 @@
+// moe_gemm_fp8_swapab_sm90: the decode-sized fp8 grouped expert GEMMs ("swap-AB"), for batches
+// with a few routes per expert. Same arguments, MODEs, epilogues and outputs as the kernels they
+// replace there (moe_gemm_fp8_sm90.cu, per-tensor; moe_gemm_fp8_block_sm90.cu, block-scaled: read
+// those for the operands), plus the weights' tensor map `b_map` (as moe_gemm_fp8_sm90_ws.cu).
+// Compiled for sm_90a only. BLOCK_SCALED=0: entry fmoe_moe_gemm_fp8; 1: fmoe_moe_gemm_fp8_block.
+//
+// Why: with 1-16 routes per expert a 64-route M tile makes the tensor cores do up to 64x the
+// useful work and a CTA holds one tile, so the weight stream runs well below DRAM speed. Here the
+// weights are the MMA's M operand and the routes its N: wgmma.m64n16k32.f32.e4m3.e4m3 with A = 64
+// weight rows and B = the BN = 16 routes of one expert's block (moe_align with BLOCK_M = 16), the
+// accumulator D[weight row, route] = the transposed output tile.
+//
+// CTA: one 256-row weight tile x BN routes, the whole K range (MODE 1) or a split of it (MODE 2,
+// gridDim.z). 288 threads: warpgroups 0 and 1 multiply, warp 8 loads. Per 128-byte K step the
+// loader issues two TMA boxes of 128 weight rows x 128 bytes (128-byte swizzle; w viewed as
+// [E * w_rows, kd]) and gathers the BN activation rows with cp.async (16 bytes each, zero-filled for
+// padding routes and past kd), both completing on the stage's full mbarrier (the copies through
+// cp.async.mbarrier.arrive.noinc), through a STAGES-deep ring: STAGES x 32 KiB of weights in flight
+// per CTA. Rows of the weight tile: [0, 128) from row half0, [128, 256) from row half1 of the
+// expert; MODE 1: half0 = n0 (gate rows), half1 = n_out + n0 (the matching up rows), output
+// columns n0 .. n0 + 127; MODE 2: half0 = n0, half1 = n0 + 128, output columns n0 .. n0 + 255.
+// Rows past n_out read other rows of w or TMA's zero fill; their results are never stored.
+// Warpgroup w multiplies the 64-row slabs w and 2 + w (MODE 1: gate and up rows of the same output
+// columns n0 + 64w + [0, 64), so SiLU(gate) * up pairs registers of one thread).
+//
+// Every 128-wide K step goes into a fresh partial accumulator (4 wgmma per slab), retired and
+// promoted into f32 registers (per-tensor: acc += part, as the small per-tensor kernel's PROMOTE=1;
+// block: acc += part * (a_scale[route, kb] * w_scale[e, row block, kb]), the order of
+// moe_gemm/cpu.rs; A's group scales travel in the stage, the weight scales are read per row).
+// Accumulator layout: part[4j + 2h + q] = slab row 16 * (warp % 4) + g + 8h, route column 8j + 2t + q.
+//
+// Epilogues (as the kernels replaced): MODE 1 per-tensor h = bf16(silu(gate * s) * (up * s)),
+// s = a_scale * w_scale[e], into h_out [R, n_out], atomicMax of |h| bits into *h_amax (if not null);
+// MODE 1 block: h in f32, its 1 x 128 group quantization over the CTA's 128 columns (a column
+// reduction across the 8 MMA warps) into q_out / s_out, *error_flag on a non-finite h; MODE 2:
+// y32[rt / top_k] += topk_weights[rt] * value (f32 reductions, split-K partial sums meet there).
+//
+// Contract: kd % 16 == 0 (TMA rows and 16-byte copies); MODE 1 block: n_out % 16 == 0. Routes
+// aligned by moe_align with BLOCK_M = BN. Launch: grid (route blocks, ceil(n_out / (MODE 1 ? 128 :
+// 256)), MODE 1 ? 1 : splits) (route blocks fastest, so the blocks of one expert run together and
+// share its weight tiles in L2), 288 threads, dynamic shared memory STAGES * (256 + BN) * 128 + 1024.
+
+#include <cuda_bf16.h>
+
+#include "common/async_copy.cuh"
+#include "common/fp8.cuh"
+#include "common/k_split.cuh"
+#include "common/math.cuh"
+#include "common/sm90_pipeline.cuh"
+#include "common/sm90_wgmma.cuh"
+
+#ifndef MODE
+#define MODE 1
+#endif
+#ifndef BLOCK_SCALED
+#define BLOCK_SCALED 0
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+#define BN 16    // routes per tile (wgmma N)
+#define BK 128   // fp8 elements (= bytes): one 128-byte swizzle row, one scale block along K
+#define ROWS 256  // weight rows per tile: two TMA boxes of 128
+#define HALF_BYTES (128 * BK)
+#define W_BYTES (ROWS * BK)
+#define B_BYTES (BN * BK)
+#define SLAB_BYTES (64 * BK)
+#define NTHREADS 288
+#define NO_ROW 0xFFFFFFFFu
+
+static_assert(STAGES >= 2, "one stage in the tensor cores, one loading");
+static_assert(B_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+
+// The 256 consumer threads only (the loader warp has left): bar.sync with a count.
+__device__ __forceinline__ void mma_threads_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+
+#if BLOCK_SCALED
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __restrict__ a_scale,
+                        const unsigned char* __restrict__ w, const float* __restrict__ w_scale,
+                        const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
+                        const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
+                        unsigned char* __restrict__ q_out, float* __restrict__ s_out, float* __restrict__ y32,
+                        unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
+                        unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+#else
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __restrict__ w,
+                  const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
+                  const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
+                  const float* __restrict__ a_scale, const float* __restrict__ w_scale,
+                  __nv_bfloat16* __restrict__ h_out, unsigned int* __restrict__ h_amax, float* __restrict__ y32,
+                  unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out,
+                  const __grid_constant__ TmaDesc b_map) {
+#endif
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ unsigned int route[BN];
+    __shared__ unsigned int a_row[BN];  // gathered activation row of each route column, NO_ROW for padding
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+#if BLOCK_SCALED
+    __shared__ float a_sc[STAGES][BN];  // the routes' group scales of the stage's K block
+#endif
+
+    const unsigned int m0 = blockIdx.x * BN;
+    if (m0 >= *total) return;
+    const unsigned int kblocks = (kd + BK - 1) / BK;
+    const KSplit split = k_split(kblocks);
+    const unsigned int kb0 = split.first, ktiles = split.count;
+    if (ktiles == 0) return;
+    const unsigned int e = block_experts[blockIdx.x];
+    const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const unsigned int g = lane >> 2, t = lane & 3, wg = tid >> 7;
+
+    const unsigned int raw = static_cast<unsigned int>(__cvta_generic_to_shared(smem_raw));
+    const unsigned int wring = (raw + 1023) & ~1023u;     // STAGES weight tiles
+    const unsigned int bring = wring + STAGES * W_BYTES;  // STAGES route tiles
+    const unsigned int full0 = static_cast<unsigned int>(__cvta_generic_to_shared(full_bar));
+    const unsigned int empty0 = static_cast<unsigned int>(__cvta_generic_to_shared(empty_bar));
+
+#if MODE == 1
+    const unsigned int n0 = blockIdx.y * 128;
+    const unsigned int w_rows = 2 * n_out;
+    const unsigned int half0 = n0, half1 = n_out + n0;
+#else
+    const unsigned int n0 = blockIdx.y * ROWS;
+    const unsigned int w_rows = n_out;
+    const unsigned int half0 = n0, half1 = n0 + 128;
+#endif
+
+    if (tid < BN) {
+        const unsigned int rt = sorted_routes[m0 + tid];
+        route[tid] = rt;
+#if MODE == 1
+        a_row[tid] = rt < num_routes ? rt / top_k : NO_ROW;
+#else
+        a_row[tid] = rt < num_routes ? rt : NO_ROW;
+#endif
+    }
+    if (tid == 0) {
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 32 + 1);  // the loader lanes' copies + the TMA issue
+            mbar_init(empty0 + 8 * s, 8);      // one arrival per MMA warp
+        }
+    }
+    __syncthreads();
+
+    if (warp == 8) {
+        // Loader warp.
+        const int row0 = (int)(e * w_rows);
+        for (unsigned int kt = 0; kt < ktiles; ++kt) {
+            const unsigned int s = kt % STAGES, full_s = full0 + 8 * s;
+            // Slot s last held tile kt - STAGES: wait until the MMA warps released it.
+            if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) - 1) & 1);
+            const unsigned int k0 = (kb0 + kt) * BK, sb = bring + s * B_BYTES;
+            if (lane == 0) {
+                mbar_arrive_expect_tx(full_s, W_BYTES);
+                const unsigned int sw = wring + s * W_BYTES;
+                tma_load_2d(sw, &b_map, (int)k0, row0 + (int)half0, full_s);
+                tma_load_2d(sw + HALF_BYTES, &b_map, (int)k0, row0 + (int)half1, full_s);
+            }
+#pragma unroll
+            for (int i = 0; i < BN * 8 / 32; ++i) {
+                const unsigned int c = lane + i * 32, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
+                const unsigned int row = a_row[r];
+                const bool ok = row != NO_ROW && col < kd;
+                cp_async16(sb + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
+            }
+#if BLOCK_SCALED
+            if (lane < BN) {
+                const unsigned int row = a_row[lane];
+                const bool ok = row != NO_ROW;
+                cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][lane])),
+                          a_scale + (ok ? (unsigned long long)row * kblocks + kb0 + kt : 0), ok);
+            }
+#endif
+            cp_async_mbar_arrive(full_s);
+        }
+        return;
+    }
+
+    // MMA warpgroups: slabs wg (tile rows 64 wg ..) and 2 + wg (tile rows 128 + 64 wg ..).
+    const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
+    float acc[2][8], part[2][8];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) acc[i][v] = 0.0f;
+    }
+
+#if BLOCK_SCALED
+    // Weight-scale rows: expert row (i ? half1 : half0) + 64 wg + rr + 8h lies in block row / 128
+    // (clamped: rows past the expert are never stored).
+    const unsigned int wrb = (w_rows + 127) / 128;
+    const float* wse = w_scale + (unsigned long long)e * wrb * kblocks;
+    const float* wsp[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned int row = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
+            wsp[i][h] = wse + (unsigned long long)min(row >> 7, wrb - 1) * kblocks;
+        }
+    }
+#endif
+
+    for (unsigned int kt = 0; kt < ktiles; ++kt) {
+        const unsigned int s = kt % STAGES;
+#if BLOCK_SCALED
+        const unsigned int kb = kb0 + kt;
+        // Issued before the wait, so their latency hides behind it.
+        const float w00 = wsp[0][0][kb], w01 = wsp[0][1][kb], w10 = wsp[1][0][kb], w11 = wsp[1][1][kb];
+#endif
+        mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
+        fence_proxy_async_shared();  // the loader's cp.async writes, for the tensor cores
+        const unsigned int sw = wring + s * W_BYTES;
+        const unsigned long long db = smem_desc(bring + s * B_BYTES);
+        const unsigned long long da0 = smem_desc(sw + wg * SLAB_BYTES);
+        const unsigned long long da1 = smem_desc(sw + (2 + wg) * SLAB_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks)
+            // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
+            wgmma_m64n16k32_e4m3(part[0], da0 + 2 * ks, db + 2 * ks, ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) wgmma_m64n16k32_e4m3(part[1], da1 + 2 * ks, db + 2 * ks, ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands<8>(part[0]);
+        wgmma_fence_operands<8>(part[1]);
+#if BLOCK_SCALED
+        float sa[2][2];  // [j][q]: the group scale of route column 8j + 2t + q
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) sa[j][q] = a_sc[s][8 * j + 2 * t + q];
+        }
+#endif
+        // The stage's wgmma retired and its scales read: the slot goes back to the loader.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) {
+                        const int v = 4 * j + 2 * h + q;
+#if BLOCK_SCALED
+                        const float ws = i ? (h ? w11 : w10) : (h ? w01 : w00);
+                        acc[i][v] = fmaf(part[i][v], sa[j][q] * ws, acc[i][v]);
+#else
+                        acc[i][v] += part[i][v];
+#endif
+                    }
+                }
+            }
+        }
+    }
+
+#if MODE == 1 && BLOCK_SCALED
+    // h = silu(gate) * up at output column n0 + 64 wg + rr + 8h of route column 8j + 2t + q; then the
+    // 1 x 128 group quantization of each route's 128 columns: max over h, the 8 row lanes g, the 8
+    // MMA warps.
+    __shared__ unsigned int red[8][BN];
+    float hv[8];
+    unsigned int m[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const unsigned int n = n0 + 64 * wg + rr + 8 * h;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int v = 4 * j + 2 * h + q;
+                hv[v] = silu(acc[0][v]) * acc[1][v];
+                if (n < n_out) m[j][q] = max(m[j][q], __float_as_uint(hv[v]) & 0x7FFFFFFFu);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) m[j][q] = max(m[j][q], __shfl_xor_sync(0xffffffffu, m[j][q], o));
+            if (g == 0) red[warp][8 * j + 2 * t + q] = m[j][q];
+        }
+    }
+    mma_threads_sync();
+    const unsigned int groups = (n_out + 127) / 128;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const unsigned int col = 8 * j + 2 * t + q, rt = route[col];
+            if (rt >= num_routes) continue;
+            unsigned int ab = 0;
+#pragma unroll
+            for (int wi = 0; wi < 8; ++wi) ab = max(ab, red[wi][col]);
+            const float s = scale_from_amax(__uint_as_float(ab));
+            unsigned char* qrow = q_out + (unsigned long long)rt * n_out;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned int n = n0 + 64 * wg + rr + 8 * h;
+                if (n < n_out) qrow[n] = (unsigned char)(e4m3x2(__fdiv_rn(hv[4 * j + 2 * h + q], s), 0.0f) & 0xFFu);
+            }
+            if (warp == 0 && g == 0) {
+                // One thread per route column: warp 0's lanes 0..3 (t) over j and q.
+                s_out[(unsigned long long)rt * groups + blockIdx.y] = s;
+                if (ab >= 0x7F800000u) atomicExch(error_flag, 1u);
+            }
+        }
+    }
+#elif MODE == 1
+    // Per-tensor scales, once per dot product.
+    const float sc = a_scale[0] * w_scale[e];
+    unsigned int hmax = 0;  // bits of max |h|
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const unsigned int rt = route[8 * j + 2 * t + q];
+            if (rt >= num_routes) continue;
+            __nv_bfloat16* hrow = h_out + (unsigned long long)rt * n_out;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned int n = n0 + 64 * wg + rr + 8 * h;
+                const int v = 4 * j + 2 * h + q;
+                if (n >= n_out) continue;
+                const __nv_bfloat16 hb = __float2bfloat16_rn(silu(acc[0][v] * sc) * (acc[1][v] * sc));
+                hrow[n] = hb;
+                hmax = max(hmax, __float_as_uint(fabsf(__bfloat162float(hb))));
+            }
+        }
+    }
+    if (h_amax != nullptr) {
+        hmax = warp_max(hmax);
+        if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
+    }
+#else
+#if BLOCK_SCALED
+    const float sc = 1.0f;  // the scales went in with the promotion
+#else
+    const float sc = a_scale[0] * w_scale[e];
+#endif
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const unsigned int rt = route[8 * j + 2 * t + q];
+            if (rt >= num_routes) continue;
+            const float wt = topk_weights[rt];
+            float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned int c = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
+                    if (c < n_out) atomicAdd(yrow + c, wt * (acc[i][4 * j + 2 * h + q] * sc));
+                }
+            }
+        }
+    }
+#endif
+}
