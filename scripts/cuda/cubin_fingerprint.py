@@ -104,6 +104,14 @@ def variants():
     add("moe_gemm_fp8_sm90_ws", "moe_gemm_fp8_sm90_ws.cu",
         *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")]
           for m in (1, 2) for b in (0, 1)])
+    # Swap-AB decode GEMMs (FP8_TENSOR_SWAPAB, FP8_BLOCK_SWAPAB): MODE, BLOCK_SCALED, STAGES (3; the
+    # ring-depth sweep of FMOE_DEV_SWAPAB compiled 4 and 6).
+    add("moe_gemm_fp8_swapab_sm90", "moe_gemm_swapab_sm90.cu",
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", str(st))]
+          for m in (1, 2) for b in (0, 1) for st in (3, 4, 6)])
+    # moe_gemm/cuda.rs SM90_SWAPAB, the same source for bf16: MODE, ELEM_BF16, STAGES.
+    add("moe_gemm_bf16_swapab_sm90", "moe_gemm_swapab_sm90.cu",
+        *[[("MODE", str(m)), ("ELEM_BF16", "1"), ("STAGES", str(st))] for m in (1, 2) for st in (3, 4, 6)])
     return v
 
 

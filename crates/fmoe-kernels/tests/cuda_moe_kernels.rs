@@ -167,14 +167,14 @@ fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
         err.contains("K (hidden size") && err.contains("100") && err.contains("multiple of 8"),
         "{err}"
     );
-    // Routes aligned for the CPU tile are refused, naming the tile.
+    // Routes aligned to a tile no CUDA kernel has are refused, naming the tiles.
     let (k, x) = (64, Tensor::zeros([m, 64], DType::BF16, &CUDA).unwrap());
     let w13 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::BF16, &CUDA).unwrap());
-    let small = align_routes(&ids, e, 16).unwrap();
-    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &small, top_k, &w13)
+    let odd = align_routes(&ids, e, 32).unwrap();
+    let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &odd, top_k, &w13)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("block_m = 16") && err.contains("64"), "{err}");
+    assert!(err.contains("block_m = 32") && err.contains("64"), "{err}");
     // f16 and fp8 operands: Unsupported, naming what is missing.
     let w16 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::F16, &CUDA).unwrap());
     let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &routes, top_k, &w16)
@@ -287,6 +287,79 @@ fn fp8_grouped_gemms_match_the_cpu_twin_at_both_m_tiles() {
                 };
                 assert!(err <= tol, "{what}: {err:.3e}");
             }
+        }
+    }
+}
+
+/// The bf16 grouped GEMMs (GEMM1 with SiLU⊙mul into bf16 h, GEMM2 with the weighted top-k sum)
+/// with routes aligned to 16 (the swap-AB decode kernel on Hopper), 64 and 128, at M = 1, 5, 32
+/// and 600, against the CPU twin on the same operands. Ragged K = 200 (not a multiple of the
+/// 64-wide K step; GEMM2's 200 outputs inside one 256-row tile) and N = 1000 (GEMM1's last
+/// 128-column tile and GEMM2's last K step ragged), only half the experts routed to, GEMM2 split
+/// over K at decode sizes. h is compared too: it is the bf16 rounding of the same
+/// f32 products (exact in f32), so the tolerance is bf16's, not a GEMM error.
+#[test]
+fn bf16_grouped_gemms_match_the_cpu_twin_at_every_m_tile() {
+    let Some(b) = test_backend_or_skip() else {
+        return;
+    };
+    let cpu = Device::Cpu;
+    let (e, k, n, top_k) = (8usize, 200usize, 1000usize, 2usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(0xbf16);
+    let w13f = randn(&mut rng, e * 2 * n * k, 1.0 / (k as f32).sqrt());
+    let w2f = randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt());
+    let w13 =
+        WeightOperand::Plain(Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap());
+    let w2 = WeightOperand::Plain(Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap());
+    let (w13g, w2g) = (w13.to_device(CUDA).unwrap(), w2.to_device(CUDA).unwrap());
+    let block_ms: &[usize] = if b.compute_capability() == (9, 0) {
+        &[16, 64, 128]
+    } else {
+        &[64]
+    };
+    for m in [1usize, 5, 32, 600] {
+        let x = Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
+        let ids: Vec<u32> = (0..m * top_k)
+            .map(|_| rng.random_range(0..e / 2) as u32)
+            .collect();
+        let ids = Tensor::from_vec(ids, [m, top_k], &cpu).unwrap();
+        let tw: Vec<f32> = (0..m * top_k).map(|_| rng.random_range(0.1..1.0)).collect();
+        let tw = Tensor::from_vec(tw, [m, top_k], &cpu).unwrap();
+        let a = ActOperand::Plain(x.clone());
+        let routes = align_routes(&ids, e, 16).unwrap();
+        let h_want = moe_gemm::gemm1_silu_mul(&a, &routes, top_k, &w13).unwrap();
+        let want =
+            moe_gemm::gemm2_weighted_sum(&ActOperand::Plain(h_want.clone()), &routes, &tw, &w2)
+                .unwrap()
+                .to_f32_vec()
+                .unwrap();
+        let h_want = h_want.to_f32_vec().unwrap();
+        let ag = ActOperand::Plain(x.to_device(CUDA).unwrap());
+        let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
+        for &bm in block_ms {
+            let what = format!("bf16 M={m} block_m={bm}");
+            let routes = align_routes(&idsg, e, bm).unwrap();
+            let h = moe_gemm::gemm1_silu_mul(&ag, &routes, top_k, &w13g).unwrap();
+            assert_eq!(
+                (h.device(), h.dims()),
+                (CUDA, &[m * top_k, n][..]),
+                "{what}"
+            );
+            let hv = h.to_f32_vec().unwrap();
+            assert!(hv.iter().all(|v| v.is_finite()), "{what}: unwritten h");
+            let herr = rel(&hv, &h_want);
+            let y =
+                moe_gemm::gemm2_weighted_sum(&ActOperand::Plain(h), &routes, &twg, &w2g).unwrap();
+            assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
+            let got = y.to_f32_vec().unwrap();
+            assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
+            let err = rel(&got, &want);
+            println!("{what}: rel_err vs the CPU twin h {herr:.2e} y {err:.2e}");
+            // Both sides sum exact f32 products in different orders (≤ (K + N)·2⁻²⁴ apart) and
+            // round h to bf16 (a different rounding where the sums straddle a tie: ≤ 2⁻⁸ on
+            // those elements): 4e-3 leaves room for both, far below a wrong tile (~1).
+            assert!(herr <= 4e-3, "{what}: h {herr:.3e}");
+            assert!(err <= 4e-3, "{what}: y {err:.3e}");
         }
     }
 }

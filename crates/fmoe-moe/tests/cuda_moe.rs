@@ -59,6 +59,22 @@ const LARGE: &[Case] = &[
     case(1024, 8, 256, 2048, 2),
 ];
 
+/// Decode-sized batches (fewer than 16 routes per expert on average): the swap-AB kernel on
+/// Hopper. M = 1..16; E = 1 (15 routes: one block of one expert), 4, 8, 16 and 256 (top-8: most
+/// experts without routes); N = 72 (one ragged GEMM1 tile), 200, 1000 and 2056 (GEMM2's reduction
+/// of 33 K steps of 64, the last ragged, split); K = 136 and 264 (a ragged last K step) and 1000
+/// (GEMM2's output ragged past 3 tiles of 256).
+const DECODE: &[Case] = &[
+    case(1, 1, 136, 72, 1),
+    case(1, 8, 256, 200, 2),
+    case(2, 8, 1000, 2056, 2),
+    case(2, 256, 264, 200, 8),
+    case(7, 16, 136, 1000, 8),
+    case(13, 4, 264, 72, 2),
+    case(15, 1, 1000, 2056, 1),
+    case(16, 256, 256, 136, 8),
+];
+
 fn gpu_layer(c: &Case, inp: &Inputs, family: KernelFamily) -> FusedMoe {
     let experts = CheckpointExperts::Dense {
         w13: inp.w13.to_device(CUDA).unwrap(),
@@ -174,6 +190,52 @@ fn large_tile_edges_match_the_f64_reference() {
             .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains("BM=128")),
         "the 128-row prefill GEMM did not run: {launches:?}"
     );
+}
+
+/// Both GEMMs of the fused forward ran the swap-AB kernel (on Hopper; elsewhere the 64-route
+/// tiles run and there is nothing to check).
+fn assert_swap_ab_ran(what: &str, launches: &[String]) {
+    let hopper = fmoe_core::cuda::cuda_backend(0)
+        .map(|b| b.compute_capability() == (9, 0))
+        .unwrap_or(false);
+    for mode in ["[MODE=1", "[MODE=2"] {
+        assert!(
+            !hopper
+                || launches
+                    .iter()
+                    .any(|l| l.starts_with("moe_gemm_bf16_swapab_sm90/") && l.contains(mode)),
+            "{what}: the swap-AB {mode}] GEMM did not run: {launches:?}"
+        );
+    }
+}
+
+#[test]
+fn decode_layers_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    for (i, c) in DECODE.iter().enumerate() {
+        let what = format!("{c:?}");
+        let inp = inputs(c, 9500 + i as u64);
+        let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+        let ((), launches) = trace_launches(|| check_case(&what, c, &inp, &topk));
+        assert_swap_ab_ran(&what, &launches);
+    }
+    // 80 routes on the first 4 of 8 experts: 10 per expert on average, so swap-AB, but 20 on
+    // each routed expert: two 16-route blocks (one full, one with 4 routes) share an expert's
+    // weight tiles, and half the experts have no routes.
+    let c = case(40, 8, 264, 200, 2);
+    let inp = inputs(&c, 9600);
+    let ids: Vec<u32> = (0..c.m as u32).flat_map(|t| [t % 4, (t + 1) % 4]).collect();
+    let weights: Vec<f32> = (0..c.m)
+        .flat_map(|t| [0.3 + (t % 5) as f32 * 0.1, 0.4])
+        .collect();
+    let topk = TopK {
+        ids: Tensor::from_vec(ids, [c.m, 2], &CUDA).unwrap(),
+        weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
+    };
+    let ((), launches) = trace_launches(|| check_case("two blocks per expert", &c, &inp, &topk));
+    assert_swap_ab_ran("two blocks per expert", &launches);
 }
 
 #[test]

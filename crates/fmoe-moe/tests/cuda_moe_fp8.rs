@@ -328,6 +328,7 @@ fn launched(trace: &[String]) -> (bool, bool, Vec<&'static str>) {
     let families = [
         "moe_gemm_bf16/",
         "moe_gemm_bf16_sm90/",
+        "moe_gemm_bf16_swapab_sm90/",
         "moe_gemm_fp8_sm90/",
         "moe_gemm_fp8_block_sm90/",
         "moe_gemm_fp8_swapab_sm90/",
@@ -343,7 +344,8 @@ fn dispatch_truth_table_holds_on_cuda_per_scheme() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    // 10 routes on 4 experts: the fp8 schemes run the swap-AB decode kernel (entry per scheme).
+    // 10 routes on 4 experts: every scheme runs a swap-AB decode kernel (the fp8 ones an entry per
+    // scheme; bf16 its own family, under the "moe_gemm_bf16" prefix checked here).
     let c = case(5, 4, 128, 64, 2);
     let inp = inputs(&c, 19_600);
     let x = inp.x.to_device(CUDA).unwrap();

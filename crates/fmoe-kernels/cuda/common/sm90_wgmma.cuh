@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma; sm_90a only): the shared-memory operand layout, its matrix
 // descriptor, the fences an asynchronous MMA needs, and the instruction wrappers for the shapes the
-// grouped GEMMs use: bf16 m64n{128,256}k16 and e4m3 m64n{16,128,256}k32, f32 accumulators.
+// grouped GEMMs use: bf16 m64n{16,128,256}k16 and e4m3 m64n{16,128,256}k32, f32 accumulators.
 //
 // Layout: both operands K-major (fp8 wgmma has no transpose, and one layout serves both dtypes),
 // 128 bytes of K per row (one swizzle atom: 64 bf16 or 128 e4m3), 128-byte swizzle so that the
@@ -138,6 +138,19 @@ __device__ __forceinline__ void wgmma_m64n16k32_e4m3(float* d, unsigned long lon
         "setp.ne.b32 p, %10, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
         "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+// D[64 x 16] (+)= A[64 x K] * B[16 x K]^T, bf16: the swap-AB decode GEMMs' bf16 variant.
+__device__ __forceinline__ void wgmma_m64n16k16_bf16(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, p, 1, 1, 0, 0;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
         : "l"(da), "l"(db), "r"(scale_d));

@@ -12,9 +12,11 @@
 //!   sum. Every intermediate round-trips through device memory and each step is a launch: what
 //!   the fused epilogues save, measured with the same tiles. No host synchronization on either.
 //!
-//! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SMALL`], [`SM90_LARGE`] (kernel,
-//! tiles, stages, split-K; change them together with the `.cu` sources) and the rule that picks one
-//! per batch, [`GemmConfig::select`]. Contract (checked, with the dimension named): the reduction
+//! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`],
+//! [`SM90_LARGE`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
+//! the rule that picks one per batch, [`GemmConfig::select`]: on Hopper the swap-AB decode kernel
+//! below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average (as the fp8 GEMMs), the 64-route
+//! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there. Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
@@ -22,6 +24,7 @@ use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
+use super::cuda_fp8::{SWAPAB_ROUTES_PER_EXPERT, dev_swapab};
 use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
@@ -71,6 +74,12 @@ pub enum GemmKind {
     /// instead of a fixed stride. Takes the tile space (n_tiles, m_blocks, splits) and the
     /// counter (zeroed u32, null unless `dynamic`) as four more arguments.
     Sm90Pipe { persistent: bool, dynamic: bool },
+    /// `cuda/moe_gemm_swapab_sm90.cu` with `ELEM_BF16=1` (the fp8 swap-AB source): the weights
+    /// are the wgmma M operand (a 256-row tile as four 64-row slabs, through TMA: one more
+    /// argument, the tensor map) and the `bm` = 16 routes of one expert's block its N
+    /// (m64n16k16); one loader warp, two MMA warpgroups, an mbarrier ring. Route blocks in
+    /// `gridDim.x`, N tiles in `y`, K splits in `z`.
+    SwapAb,
 }
 
 /// mma.sync kernel: any sm_80+ device.
@@ -83,6 +92,30 @@ pub const MMA: GemmConfig = GemmConfig {
     split_k: true,
     raster_gm: 0,
 };
+
+/// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average: 256
+/// weight rows × 16 routes per block, a 3-deep ring of 32 KiB weight stages (the fp8 kernels'
+/// bytes: 64 bf16 of K per stage instead of 128 e4m3), 103 KiB of shared memory, two blocks per
+/// SM. Only the route blocks that can be busy are launched; GEMM2's split-K evens the waves
+/// ([`swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV)`=off` gives
+/// [`SM90_SMALL`] back there, a number sets the ring depth.
+pub const SM90_SWAPAB: GemmConfig = GemmConfig {
+    kind: GemmKind::SwapAb,
+    bm: 16,
+    bk: 64,
+    stages: 3,
+    wg_n: 256,
+    split_k: true,
+    raster_gm: 0,
+};
+
+/// [`SM90_SWAPAB`] with a ring of `stages`.
+const fn sm90_swapab(stages: usize) -> GemmConfig {
+    GemmConfig {
+        stages,
+        ..SM90_SWAPAB
+    }
+}
 
 /// wgmma kernel, decode-sized batches: 64-row tiles and 128 weight rows keep two blocks per SM
 /// and enough blocks to stream the weights from every SM. Launch order: the grouped order of
@@ -333,7 +366,11 @@ impl GemmConfig {
             return MMA;
         }
         let experts = experts.max(1);
-        if num_routes < large_tile_routes_per_expert() * experts {
+        if let Some(stages) = dev_swapab()
+            && num_routes < SWAPAB_ROUTES_PER_EXPERT * experts
+        {
+            sm90_swapab(stages)
+        } else if num_routes < large_tile_routes_per_expert() * experts {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
             SM90_MID
@@ -362,9 +399,11 @@ impl GemmConfig {
         })
     }
 
-    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc`.
+    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc` (16:
+    /// [`SM90_SWAPAB`], with the ring depth of [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
-        [SM90_SMALL, SM90_LARGE, MMA]
+        let swapab = sm90_swapab(dev_swapab().unwrap_or(SM90_SWAPAB.stages));
+        [swapab, SM90_SMALL, SM90_LARGE, MMA]
             .into_iter()
             .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
             .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
@@ -376,9 +415,11 @@ impl GemmConfig {
     pub const fn b_rows(&self) -> usize {
         match self.kind {
             GemmKind::Mma => 128,
-            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => {
-                self.wg_n
-            }
+            GemmKind::Sm90
+            | GemmKind::Sm90Ws
+            | GemmKind::Sm90WsTma
+            | GemmKind::Sm90Pipe { .. }
+            | GemmKind::SwapAb => self.wg_n,
         }
     }
     /// Output columns per block: GEMM1 (MODE 1) pairs half its weight rows (gate) with the other
@@ -395,6 +436,8 @@ impl GemmConfig {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
             GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => 384,
+            // Two MMA warpgroups and one loader warp.
+            GemmKind::SwapAb => 288,
         }
     }
     /// Dynamic shared memory per block (the sources' formulas).
@@ -404,6 +447,8 @@ impl GemmConfig {
             GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => {
                 self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024
             }
+            // 128 bytes of K per weight row and route per stage.
+            GemmKind::SwapAb => self.stages * (self.wg_n + self.bm) * 128 + 1024,
         }) as u32
     }
     fn source(&self) -> (&'static str, &'static str) {
@@ -412,6 +457,7 @@ impl GemmConfig {
             GemmKind::Sm90 => (GEMM_SM90_FAMILY, GEMM_SM90_SRC),
             GemmKind::Sm90Ws | GemmKind::Sm90WsTma => (GEMM_SM90_WS_FAMILY, GEMM_SM90_WS_SRC),
             GemmKind::Sm90Pipe { .. } => (GEMM_SM90_PIPE_FAMILY, GEMM_SM90_PIPE_SRC),
+            GemmKind::SwapAb => (GEMM_SWAPAB_FAMILY, SWAPAB_SRC),
         }
     }
     fn defines(&self, mode: u32) -> Vec<(&'static str, String)> {
@@ -445,6 +491,10 @@ impl GemmConfig {
                 d.push(("BM", self.bm.to_string()));
                 d.push(("PERSIST", u32::from(persistent).to_string()));
                 d.push(("DYNAMIC", u32::from(dynamic).to_string()));
+            }
+            GemmKind::SwapAb => {
+                d.push(("ELEM_BF16", "1".to_string()));
+                d.push(("STAGES", self.stages.to_string()));
             }
         }
         d
@@ -487,6 +537,9 @@ const GEMM_SM90_WS_FAMILY: &str = "moe_gemm_bf16_sm90_ws";
 const GEMM_SM90_WS_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_ws.cu");
 const GEMM_SM90_PIPE_FAMILY: &str = "moe_gemm_bf16_sm90_pipe";
 const GEMM_SM90_PIPE_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_pipe.cu");
+const GEMM_SWAPAB_FAMILY: &str = "moe_gemm_bf16_swapab_sm90";
+/// The swap-AB source of both element types (the fp8 variants compile it as their own family).
+pub(super) const SWAPAB_SRC: &str = include_str!("../../cuda/moe_gemm_swapab_sm90.cu");
 const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
 pub(super) const GLUE_FAMILY: &str = "moe_unfused";
 pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
@@ -500,8 +553,8 @@ pub(super) const GLUE_ENTRIES: [&str; 5] = [
     "fmoe_silu_mul_f32",
 ];
 
-/// Every bf16 GEMM variant ([`MMA`], [`SM90_SMALL`], [`SM90_MID`], [`SM90_LARGE`] and its
-/// experiments, both modes) and the glue.
+/// Every bf16 GEMM variant ([`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`], [`SM90_MID`], [`SM90_LARGE`]
+/// and its experiments, both modes) and the glue.
 pub(super) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
     let experiments = SM90_LARGE_EXPERIMENTS.iter().map(|(_, c)| *c);
@@ -513,7 +566,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             _ => None,
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
-    for cfg in [MMA, SM90_SMALL, SM90_MID]
+    for cfg in [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID]
         .into_iter()
         .chain(experiments)
         .chain(mids)
@@ -649,7 +702,7 @@ fn route_buffers<'a>(
                 "routes are aligned to block_m = {}; the CUDA grouped GEMMs of this device take {} \
                  (their M tiles)",
                 routes.block_m,
-                if cc == (9, 0) { "64 or 128" } else { "64" }
+                if cc == (9, 0) { "16, 64 or 128" } else { "64" }
             ),
         ));
     };
@@ -699,6 +752,27 @@ pub(super) fn split_k(
     let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
     let want = (4 * sms).div_ceil((n_tiles * blocks).max(1));
     want.min(max_splits).max(1)
+}
+
+/// Route blocks a swap-AB launch covers (`bm` routes each): the busy ones are at most
+/// ceil(routes / bm) plus one partial block per expert with routes, so decode launches no blocks
+/// that would only exit (DeepSeek-V3 at M = 1: 8 instead of 240).
+pub(super) fn swap_ab_blocks(bm: usize, num_routes: usize, experts: usize, slots: usize) -> usize {
+    (slots / bm).min(num_routes / bm + experts.min(num_routes))
+}
+
+/// Swap-AB GEMM2's split-K factor for `ctas` blocks (route blocks × N tiles) before splitting,
+/// over a reduction of `ktiles` K steps: the one (≤ a quarter of the K steps) that minimizes
+/// waves × K steps per block over `sms` SMs with as many blocks per SM as `smem_bytes` allows, the
+/// fewest splits on a tie (fewer partial sums into y).
+pub(super) fn swap_ab_splits(smem_bytes: usize, ctas: usize, ktiles: usize, sms: usize) -> usize {
+    let ktiles = ktiles.max(1);
+    let per_sm = (228 * 1024 / (smem_bytes + 1024)).max(1);
+    let slots = (sms * per_sm).max(1);
+    let cost = |s: usize| (ctas * s).div_ceil(slots) * ktiles.div_ceil(s);
+    (1..=(ktiles / 4).max(1))
+        .min_by_key(|&s| (cost(s), s))
+        .unwrap_or(1)
 }
 
 /// The launch grid of a grouped GEMM over aligned routes and its u32 scalar arguments, with the
@@ -770,15 +844,19 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         ));
     }
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
-    let splits = if g.mode == 2 {
-        cfg.splits(
-            g.num_routes,
-            g.experts,
-            g.routes.slots,
-            n_tiles,
-            g.kd,
-            backend.multiprocessor_count() as usize,
-        )
+    let sms = backend.multiprocessor_count() as usize;
+    let swap_ab = cfg.kind == GemmKind::SwapAb;
+    // Swap-AB: only the route blocks that can be busy, and the split that evens the waves.
+    let blocks_m = if swap_ab {
+        swap_ab_blocks(cfg.bm, g.num_routes, g.experts, g.routes.slots)
+    } else {
+        blocks_m
+    };
+    let splits = if g.mode == 2 && swap_ab {
+        let ktiles = g.kd.div_ceil(cfg.bk);
+        swap_ab_splits(cfg.smem_bytes() as usize, blocks_m * n_tiles, ktiles, sms)
+    } else if g.mode == 2 {
+        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
     } else {
         1
     };
@@ -810,13 +888,14 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
             persistent: true, ..
         } => {
             let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
-            let sms = backend.multiprocessor_count() as usize;
             (
                 u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
                 1,
                 1,
             )
         }
+        // Route blocks fastest: an expert's blocks run together and share its weight tiles.
+        GemmKind::SwapAb => (grid.1, grid.0, grid.2),
         _ => grid,
     };
     let launch = LaunchConfig {
@@ -844,11 +923,17 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
     let b_map;
-    if matches!(cfg.kind, GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. }) {
+    if matches!(
+        cfg.kind,
+        GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } | GemmKind::SwapAb
+    ) {
         // All experts' rows; MODE 1 loads the gate and the up half of each MMA warpgroup's
         // weight rows as two boxes (of 128 rows for BM = 128, of 64 for the pipe kernel's BM = 64).
+        // Swap-AB: each 256-row tile is two boxes of 128 rows (gate and up, or two halves).
         let rows = g.w.len() / g.kd.max(1);
-        let box_rows = if g.mode == 1 {
+        let box_rows = if cfg.kind == GemmKind::SwapAb {
+            128
+        } else if g.mode == 1 {
             cfg.wg_n * cfg.bm / 256
         } else {
             cfg.wg_n
@@ -879,6 +964,8 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // one more argument, the weights' tensor map, pushed above; `Sm90Pipe` that, the tile space
     // (three u32; its grid covers it, or walks it when persistent) and the tile counter, a zeroed
     // u32 the dynamic schedule increments once per claimed tile (null otherwise, never read).
+    // `SwapAb` takes the tensor map only (boxes of 128 rows); its grid puts the route blocks (at
+    // most the slots' blocks) in x, the N tiles in y and the K splits in z.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
 }
@@ -1149,7 +1236,12 @@ mod select_tests {
     #[test]
     fn hopper_picks_wgmma_tiles_by_routes_per_expert_and_others_get_mma() {
         let h = (9, 0);
-        assert_eq!(GemmConfig::select(h, 2, 8), SM90_SMALL); // decode
+        // Few routes per expert: swap-AB (the default of the dev switch).
+        assert_eq!(GemmConfig::select(h, 2, 8), SM90_SWAPAB); // Mixtral decode
+        assert_eq!(GemmConfig::select(h, 8, 256), SM90_SWAPAB); // DeepSeek-V3 decode
+        assert_eq!(GemmConfig::select(h, 16 * 8 - 1, 8), SM90_SWAPAB);
+        assert_eq!(GemmConfig::select(h, 16 * 8, 8), SM90_SMALL); // Mixtral, M = 64
+        assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
         assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 4096
@@ -1160,11 +1252,39 @@ mod select_tests {
         // The 64-row prefill tiles, when turned on: from 64 routes per expert up to mid_max.
         let mid = |r, e| GemmConfig::select_with_mid(h, r, e, MID_TILE_MAX_ROUTES_PER_EXPERT);
         assert_eq!(mid(63 * 8, 8), SM90_SMALL);
+        assert_eq!(mid(2, 8), SM90_SWAPAB);
         assert_eq!(mid(64 * 8, 8), SM90_MID);
         assert_eq!(mid(4096 * 8, 256), SM90_MID); // DeepSeek-V3, M = 4096
         assert_eq!(mid(255 * 8, 8), SM90_MID);
         assert_eq!(mid(256 * 8, 8), SM90_LARGE);
         assert_eq!(GemmConfig::select_with_mid((8, 0), 64 * 8, 8, 256), MMA);
+    }
+
+    #[test]
+    fn swap_ab_variant_and_its_grid() {
+        let c = SM90_SWAPAB;
+        assert_eq!((c.n_tile(1), c.n_tile(2), c.threads()), (128, 256, 288));
+        // The fp8 kernels' bytes per stage: 256 weight rows + 16 routes of 128 bytes, 3 deep.
+        assert_eq!(c.smem_bytes(), 3 * (256 + 16) * 128 + 1024);
+        assert_eq!(c.source().0, "moe_gemm_bf16_swapab_sm90");
+        assert_eq!(
+            c.defines(2),
+            [
+                ("MODE", "2".to_string()),
+                ("ELEM_BF16", "1".to_string()),
+                ("STAGES", "3".to_string())
+            ]
+        );
+        // Mixtral M = 1: 2 routes in 2 of the 8 + 2 blocks of 16.
+        assert_eq!(swap_ab_blocks(16, 2, 8, 16 * 10), 2);
+        // Mixtral GEMM2 at M = 1: 2 blocks × 16 N tiles, 14336 / 64 = 224 K steps, 132 SMs with
+        // two blocks each: 8 splits fill one wave of 256 blocks with 28 K steps each.
+        assert_eq!(
+            swap_ab_splits(c.smem_bytes() as usize, 32, 14336 / 64, 132),
+            8
+        );
+        // Short reductions are never split.
+        assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 2, 3, 132), 1);
     }
 
     #[test]
@@ -1183,12 +1303,19 @@ mod select_tests {
 
     #[test]
     fn aligned_routes_find_their_kernel() {
-        for cfg in [SM90_SMALL, SM90_LARGE] {
+        for cfg in [SM90_SWAPAB, SM90_SMALL, SM90_LARGE] {
             assert_eq!(GemmConfig::for_block_m((9, 0), cfg.bm), Some(cfg));
         }
         assert_eq!(GemmConfig::for_block_m((8, 9), 64), Some(MMA));
         assert_eq!(GemmConfig::for_block_m((8, 9), 128), None);
-        assert_eq!(GemmConfig::for_block_m((9, 0), 16), None);
+        assert_eq!(GemmConfig::for_block_m((8, 9), 16), None);
+        assert_eq!(GemmConfig::for_block_m((9, 0), 32), None);
+        // Decode routes aligned to 16 run swap-AB; a larger batch aligned to 16 does too.
+        assert_eq!(GemmConfig::for_routes((9, 0), 16, 2, 8), Some(SM90_SWAPAB));
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 16, 1500, 8),
+            Some(SM90_SWAPAB)
+        );
         // Routes aligned to 64 rows run SM90_SMALL unless the rule picked SM90_MID (off here).
         assert_eq!(GemmConfig::for_routes((9, 0), 64, 2, 8), Some(SM90_SMALL));
         assert_eq!(
@@ -1205,7 +1332,7 @@ mod select_tests {
         );
         assert_eq!(GemmConfig::for_routes((8, 9), 64, 4096 * 8, 8), Some(MMA));
         // Shared memory stays within the 227 KiB a Hopper block may opt into.
-        for cfg in [SM90_SMALL, SM90_MID, SM90_LARGE, MMA] {
+        for cfg in [SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE, MMA] {
             assert!(cfg.smem_bytes() + 2048 <= 227 * 1024, "{cfg:?}");
         }
         // The dev experiments replace SM90_LARGE: same M tile, within the limit (static shared

@@ -38,7 +38,7 @@ mod tma;
 pub use cuda::{
     BM as CUDA_BLOCK_M, GemmConfig, GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE,
     LARGE_TILE_ROUTES_PER_EXPERT, MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID,
-    SM90_SMALL,
+    SM90_SMALL, SM90_SWAPAB,
 };
 pub use cuda_fp8::{
     DEV_FP8_LARGE_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_SCALED, FP8_BLOCK_SWAPAB,
@@ -56,7 +56,7 @@ pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
 
 /// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
 pub(crate) fn cuda_block_ms() -> Vec<usize> {
-    let mut bms: Vec<usize> = [MMA, SM90_SMALL, SM90_MID, SM90_LARGE]
+    let mut bms: Vec<usize> = [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE]
         .iter()
         .map(|c| c.bm)
         .chain(cuda_fp8::ALL.iter().map(|c| c.bm))

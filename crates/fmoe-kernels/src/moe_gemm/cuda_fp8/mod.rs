@@ -27,7 +27,8 @@
 //! - block, small ([`FP8_BLOCK_SCALED`]): `moe_gemm_fp8_block_sm90.cu`, BM 64, 256 weight rows,
 //!   5 stages (always promoted);
 //! - both schemes, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] = 16 on average:
-//!   decode) ([`FP8_TENSOR_SWAPAB`], [`FP8_BLOCK_SWAPAB`]): `moe_gemm_fp8_swapab_sm90.cu`, "swap-AB":
+//!   decode) ([`FP8_TENSOR_SWAPAB`], [`FP8_BLOCK_SWAPAB`]): `moe_gemm_swapab_sm90.cu` (also bf16's
+//!   [`SM90_SWAPAB`](super::SM90_SWAPAB)), "swap-AB":
 //!   the weights are the wgmma M operand (64-row slabs of a 256-row tile through TMA, a 3-deep
 //!   mbarrier ring fed by one loader warp, two blocks per SM) and the 16 routes of one expert's block its N
 //!   (m64n16k32), promoted per 128-wide K tile (block scales per route column and weight row);
@@ -121,7 +122,7 @@ pub struct Fp8GemmConfig {
     pub ws: bool,
     /// `ws` only: blocks take their tiles in groups of this many M blocks (`-D RASTER_GM`).
     pub raster_gm: usize,
-    /// The swap-AB decode kernel (`moe_gemm_fp8_swapab_sm90.cu`): weights as the MMA's M operand
+    /// The swap-AB decode kernel (`moe_gemm_swapab_sm90.cu`): weights as the MMA's M operand
     /// (256 weight rows per block through TMA), the `bm` = 16 routes of one expert as its N.
     pub swap_ab: bool,
 }
@@ -211,13 +212,13 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
 /// Dev-only: `FMOE_DEV_SWAPAB=off` runs few-routes batches on the 64-route kernels the swap-AB
-/// ones replaced; a number sets the swap-AB ring depth (not a catalog variant: compiled when
-/// used). Read once per process; not a user setting; "on" or unset = the default.
+/// ones replaced, fp8 and bf16; a number sets the swap-AB ring depth (not a catalog variant:
+/// compiled when used). Read once per process; not a user setting; "on" or unset = the default.
 pub const DEV_SWAPAB_ENV: &str = "FMOE_DEV_SWAPAB";
 
 /// [`DEV_SWAPAB_ENV`]: `None` = off, `Some(stages)` otherwise (an unknown value is reported once
 /// on stderr and ignored).
-fn dev_swapab() -> Option<usize> {
+pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
     static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var(DEV_SWAPAB_ENV).as_deref() {
         Err(_) | Ok("on") => Some(FP8_TENSOR_SWAPAB.stages),
@@ -267,7 +268,7 @@ const BLOCK_ENTRY: &str = "fmoe_moe_gemm_fp8_block";
 const WS_FAMILY: &str = "moe_gemm_fp8_sm90_ws";
 const WS_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_sm90_ws.cu");
 const SWAPAB_FAMILY: &str = "moe_gemm_fp8_swapab_sm90";
-const SWAPAB_SRC: &str = include_str!("../../../cuda/moe_gemm_fp8_swapab_sm90.cu");
+use super::cuda::SWAPAB_SRC;
 /// K and N must be multiples of this (16-byte rows of e4m3 codes).
 pub const FP8_K_MULTIPLE: usize = 16;
 
@@ -460,20 +461,14 @@ impl Fp8GemmConfig {
     /// partial block per expert with routes, so decode launches no blocks that would only exit
     /// (DeepSeek-V3 at M = 1: 8 instead of 240).
     pub fn swap_ab_blocks(&self, num_routes: usize, experts: usize, slots: usize) -> usize {
-        (slots / self.bm).min(num_routes / self.bm + experts.min(num_routes))
+        super::cuda::swap_ab_blocks(self.bm, num_routes, experts, slots)
     }
 
     /// Swap-AB GEMM2's split-K factor for `ctas` blocks (route blocks × N tiles) before splitting:
     /// the one (≤ a quarter of the K tiles) that minimizes waves × K tiles per block over `sms` SMs with as many blocks per SM as shared memory holds, the
     /// fewest splits on a tie (fewer partial sums into y).
     pub fn swap_ab_splits(&self, ctas: usize, kd: usize, sms: usize) -> usize {
-        let ktiles = kd.div_ceil(128).max(1);
-        let per_sm = (228 * 1024 / (self.smem_bytes() as usize + 1024)).max(1);
-        let slots = (sms * per_sm).max(1);
-        let cost = |s: usize| (ctas * s).div_ceil(slots) * ktiles.div_ceil(s);
-        (1..=(ktiles / 4).max(1))
-            .min_by_key(|&s| (cost(s), s))
-            .unwrap_or(1)
+        super::cuda::swap_ab_splits(self.smem_bytes() as usize, ctas, kd.div_ceil(128), sms)
     }
 }
 

@@ -1,20 +1,25 @@
-// moe_gemm_fp8_swapab_sm90: the decode-sized fp8 grouped expert GEMMs ("swap-AB"), for batches
-// with a few routes per expert. Same arguments, MODEs, epilogues and outputs as the kernels they
-// replace there (moe_gemm_fp8_sm90.cu, per-tensor; moe_gemm_fp8_block_sm90.cu, block-scaled: read
-// those for the operands), plus the weights' tensor map `b_map` (as moe_gemm_fp8_sm90_ws.cu).
-// Compiled for sm_90a only. BLOCK_SCALED=0: entry fmoe_moe_gemm_fp8; 1: fmoe_moe_gemm_fp8_block.
+// moe_gemm_swapab_sm90: the decode-sized grouped expert GEMMs ("swap-AB"), for batches with a few
+// routes per expert, fp8 (ELEM_BF16=0, both scaling schemes) and bf16 (ELEM_BF16=1). Same
+// arguments, MODEs, epilogues and outputs as the kernels they replace there (moe_gemm_fp8_sm90.cu,
+// per-tensor; moe_gemm_fp8_block_sm90.cu, block-scaled; moe_gemm_bf16_sm90.cu, bf16: read those
+// for the operands), plus the weights' tensor map `b_map` (as moe_gemm_fp8_sm90_ws.cu). Compiled
+// for sm_90a only. Entries: fp8 BLOCK_SCALED=0 fmoe_moe_gemm_fp8, 1 fmoe_moe_gemm_fp8_block; bf16
+// fmoe_moe_gemm_bf16. One source for both element types: the ring, the loader and the schedule
+// are the same bytes (128 of K per row and stage); only the MMA, the promotion and the scales
+// differ.
 //
 // Why: with 1-16 routes per expert a 64-route M tile makes the tensor cores do up to 64x the
 // useful work and a CTA holds one tile, so the weight stream runs well below DRAM speed. Here the
-// weights are the MMA's M operand and the routes its N: wgmma.m64n16k32.f32.e4m3.e4m3 with A = 64
-// weight rows and B = the BN = 16 routes of one expert's block (moe_align with BLOCK_M = 16), the
-// accumulator D[weight row, route] = the transposed output tile.
+// weights are the MMA's M operand and the routes its N: wgmma.m64n16k32.f32.e4m3.e4m3 (bf16:
+// m64n16k16.f32.bf16.bf16) with A = 64 weight rows and B = the BN = 16 routes of one expert's block
+// (moe_align with BLOCK_M = 16), the accumulator D[weight row, route] = the transposed output tile.
 //
 // CTA: one 256-row weight tile x BN routes, the whole K range (MODE 1) or a split of it (MODE 2,
-// gridDim.z). 288 threads: warpgroups 0 and 1 multiply, warp 8 loads. Per 128-byte K step the
-// loader issues two TMA boxes of 128 weight rows x 128 bytes (128-byte swizzle; w viewed as
-// [E * w_rows, kd]) and gathers the BN activation rows with cp.async (16 bytes each, zero-filled for
-// padding routes and past kd), both completing on the stage's full mbarrier (the copies through
+// gridDim.z). 288 threads: warpgroups 0 and 1 multiply, warp 8 loads. Per 128-byte K step (BK =
+// 128 fp8 or 64 bf16 elements) the loader issues two TMA boxes of 128 weight rows x 128 bytes
+// (128-byte swizzle; w viewed as [E * w_rows, kd]) and gathers the BN activation rows with cp.async
+// (16 bytes each, zero-filled for padding routes and past kd), both completing on the stage's full
+// mbarrier (the copies through
 // cp.async.mbarrier.arrive.noinc), through a STAGES-deep ring: STAGES x 32 KiB of weights in flight
 // per CTA. Rows of the weight tile: [0, 128) from row half0, [128, 256) from row half1 of the
 // expert; MODE 1: half0 = n0 (gate rows), half1 = n_out + n0 (the matching up rows), output
@@ -23,19 +28,23 @@
 // Warpgroup w multiplies the 64-row slabs w and 2 + w (MODE 1: gate and up rows of the same output
 // columns n0 + 64w + [0, 64), so SiLU(gate) * up pairs registers of one thread).
 //
-// Every 128-wide K step goes into a fresh partial accumulator (4 wgmma per slab), retired and
+// fp8: every 128-wide K step goes into a fresh partial accumulator (4 wgmma per slab), retired and
 // promoted into f32 registers (per-tensor: acc += part, as the small per-tensor kernel's PROMOTE=1;
 // block: acc += part * (a_scale[route, kb] * w_scale[e, row block, kb]), the order of
 // moe_gemm/cpu.rs; A's group scales travel in the stage, the weight scales are read per row).
+// bf16: the 4 wgmma per slab and step accumulate straight into acc (products of bf16 are exact in
+// f32, as in moe_gemm_bf16_sm90.cu). Either way each step retires before its slot is released, so
+// all STAGES slots stay loading.
 // Accumulator layout: part[4j + 2h + q] = slab row 16 * (warp % 4) + g + 8h, route column 8j + 2t + q.
 //
-// Epilogues (as the kernels replaced): MODE 1 per-tensor h = bf16(silu(gate * s) * (up * s)),
+// Epilogues (as the kernels replaced; bf16 = per-tensor with s = 1 and no amax): MODE 1 per-tensor h = bf16(silu(gate * s) * (up * s)),
 // s = a_scale * w_scale[e], into h_out [R, n_out], atomicMax of |h| bits into *h_amax (if not null);
 // MODE 1 block: h in f32, its 1 x 128 group quantization over the CTA's 128 columns (a column
 // reduction across the 8 MMA warps) into q_out / s_out, *error_flag on a non-finite h; MODE 2:
 // y32[rt / top_k] += topk_weights[rt] * value (f32 reductions, split-K partial sums meet there).
 //
-// Contract: kd % 16 == 0 (TMA rows and 16-byte copies); MODE 1 block: n_out % 16 == 0. Routes
+// Contract: kd * element size % 16 == 0 (TMA rows and 16-byte copies: kd % 16 fp8, kd % 8 bf16);
+// MODE 1 block: n_out % 16 == 0. Routes
 // aligned by moe_align with BLOCK_M = BN. Launch: grid (route blocks, ceil(n_out / (MODE 1 ? 128 :
 // 256)), MODE 1 ? 1 : splits) (route blocks fastest, so the blocks of one expert run together and
 // share its weight tiles in L2), 288 threads, dynamic shared memory STAGES * (256 + BN) * 128 + 1024.
@@ -58,23 +67,42 @@
 #ifndef STAGES
 #define STAGES 3
 #endif
+#ifndef ELEM_BF16
+#define ELEM_BF16 0
+#endif
 #define BN 16    // routes per tile (wgmma N)
-#define BK 128   // fp8 elements (= bytes): one 128-byte swizzle row, one scale block along K
+#define ROW_BYTES 128  // of K per row and stage: one 128-byte swizzle row
+#if ELEM_BF16
+typedef __nv_bfloat16 elem_t;
+#define BK 64    // bf16 elements per K step
+#else
+typedef unsigned char elem_t;
+#define BK 128   // fp8 elements (= bytes) per K step: one scale block along K
+#endif
 #define ROWS 256  // weight rows per tile: two TMA boxes of 128
-#define HALF_BYTES (128 * BK)
-#define W_BYTES (ROWS * BK)
-#define B_BYTES (BN * BK)
-#define SLAB_BYTES (64 * BK)
+#define HALF_BYTES (128 * ROW_BYTES)
+#define W_BYTES (ROWS * ROW_BYTES)
+#define B_BYTES (BN * ROW_BYTES)
+#define SLAB_BYTES (64 * ROW_BYTES)
 #define NTHREADS 288
 #define NO_ROW 0xFFFFFFFFu
 
 static_assert(STAGES >= 2, "one stage in the tensor cores, one loading");
+static_assert(BK * sizeof(elem_t) == ROW_BYTES, "one swizzle row per K step");
+static_assert(!(ELEM_BF16 && BLOCK_SCALED), "block scales are fp8 only");
 static_assert(B_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
 // The 256 consumer threads only (the loader warp has left): bar.sync with a count.
 __device__ __forceinline__ void mma_threads_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
-#if BLOCK_SCALED
+#if ELEM_BF16
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
+                   const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
+                   const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
+                   __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
+                   unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+#elif BLOCK_SCALED
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __restrict__ a_scale,
                         const unsigned char* __restrict__ w, const float* __restrict__ w_scale,
@@ -161,7 +189,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             }
 #pragma unroll
             for (int i = 0; i < BN * 8 / 32; ++i) {
-                const unsigned int c = lane + i * 32, r = c >> 3, ch = c & 7, col = k0 + ch * 16;
+                const unsigned int c = lane + i * 32, r = c >> 3, ch = c & 7, col = k0 + ch * (16 / sizeof(elem_t));
                 const unsigned int row = a_row[r];
                 const bool ok = row != NO_ROW && col < kd;
                 cp_async16(sb + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
@@ -181,7 +209,11 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 
     // MMA warpgroups: slabs wg (tile rows 64 wg ..) and 2 + wg (tile rows 128 + 64 wg ..).
     const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
+#if ELEM_BF16
+    float acc[2][8];
+#else
     float acc[2][8], part[2][8];
+#endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -218,6 +250,20 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned long long da0 = smem_desc(sw + wg * SLAB_BYTES);
         const unsigned long long da1 = smem_desc(sw + (2 + wg) * SLAB_BYTES);
         wgmma_fence();
+#if ELEM_BF16
+        // 16 bf16 along K = 32 bytes = 2 descriptor units.
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks) wgmma_m64n16k16_bf16(acc[0], da0 + 2 * ks, db + 2 * ks, 1);
+#pragma unroll
+        for (int ks = 0; ks < BK / 16; ++ks) wgmma_m64n16k16_bf16(acc[1], da1 + 2 * ks, db + 2 * ks, 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands<8>(acc[0]);
+        wgmma_fence_operands<8>(acc[1]);
+        // The stage's wgmma retired: the slot goes back to the loader.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+#else
 #pragma unroll
         for (int ks = 0; ks < BK / 32; ++ks)
             // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
@@ -258,6 +304,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 }
             }
         }
+#endif  // ELEM_BF16
     }
 
 #if MODE == 1 && BLOCK_SCALED
@@ -315,9 +362,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
     }
 #elif MODE == 1
+#if ELEM_BF16
+    const float sc = 1.0f;  // bf16: h = silu(gate) * up of the plain dot products
+#else
     // Per-tensor scales, once per dot product.
     const float sc = a_scale[0] * w_scale[e];
     unsigned int hmax = 0;  // bits of max |h|
+#endif
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -332,17 +383,21 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 if (n >= n_out) continue;
                 const __nv_bfloat16 hb = __float2bfloat16_rn(silu(acc[0][v] * sc) * (acc[1][v] * sc));
                 hrow[n] = hb;
+#if !ELEM_BF16
                 hmax = max(hmax, __float_as_uint(fabsf(__bfloat162float(hb))));
+#endif
             }
         }
     }
+#if !ELEM_BF16
     if (h_amax != nullptr) {
         hmax = warp_max(hmax);
         if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
     }
+#endif
 #else
-#if BLOCK_SCALED
-    const float sc = 1.0f;  // the scales went in with the promotion
+#if BLOCK_SCALED || ELEM_BF16
+    const float sc = 1.0f;  // fp8 block: the scales went in with the promotion; bf16: none
 #else
     const float sc = a_scale[0] * w_scale[e];
 #endif
