@@ -325,8 +325,10 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
+/// `FMOE_DEV_SWAPAB_ROUTES=<n>` replaces [`SWAPAB_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor.
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
+pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
 pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
 
 fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Option<usize> {
@@ -348,6 +350,12 @@ pub(super) fn large_tile_routes_per_expert() -> usize {
         .unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
 }
 
+/// [`SWAPAB_ROUTES_PER_EXPERT`], or the [`DEV_SWAPAB_ROUTES_ENV`] override.
+pub(super) fn swapab_routes_per_expert() -> usize {
+    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV).unwrap_or(SWAPAB_ROUTES_PER_EXPERT)
+}
+
 impl GemmConfig {
     /// The variant for a batch of `num_routes` routes over `experts` experts on a device of
     /// compute capability `cc`. No tuning files: the choice is this rule.
@@ -367,7 +375,7 @@ impl GemmConfig {
         }
         let experts = experts.max(1);
         if let Some(stages) = dev_swapab()
-            && num_routes < SWAPAB_ROUTES_PER_EXPERT * experts
+            && num_routes < swapab_routes_per_expert() * experts
         {
             sm90_swapab(stages)
         } else if num_routes < large_tile_routes_per_expert() * experts {

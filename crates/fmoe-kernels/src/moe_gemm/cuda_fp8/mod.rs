@@ -87,7 +87,7 @@ mod launch;
 mod support;
 mod unfused;
 
-use super::cuda::large_tile_routes_per_expert;
+use super::cuda::{large_tile_routes_per_expert, swapab_routes_per_expert};
 use crate::catalog::KernelVariant;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
@@ -304,7 +304,7 @@ impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
         if let Some(stages) = dev_swapab()
-            && num_routes < SWAPAB_ROUTES_PER_EXPERT * experts.max(1)
+            && num_routes < swapab_routes_per_expert() * experts.max(1)
         {
             return Self::swap_ab(scheme, stages);
         }
