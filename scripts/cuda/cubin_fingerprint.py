@@ -77,12 +77,8 @@ def variants():
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", str(n)), ("STAGES", str(st)), ("BM", str(bm))] for m in (1, 2) for n, st, bm in sm90])
     # The SM90_LARGE experiments (FMOE_DEV_SM90_LARGE): "raster" = SM90_SYNC + RASTER_GM=16;
-    # kind Sm90Ws ("ws", "ws_gm8"): MODE, STAGES, RASTER_GM; Sm90WsTma (SM90_LARGE) adds B_TMA=1.
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", "256"), ("STAGES", "4"), ("BM", "128"), ("RASTER_GM", "16")] for m in (1, 2)])
-    add("moe_gemm_bf16_sm90_ws", "moe_gemm_bf16_sm90_ws.cu",
-        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g))] for m in (1, 2) for g in (16, 8)],
-        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", "16"), ("B_TMA", "1")] for m in (1, 2)])
     # moe_gemm/cuda_fp8.rs Fp8GemmConfig::defines, per-tensor: MODE, WG_N, STAGES, BM, PROMOTE.
     # FP8_TENSOR_SMALL (128, 4, 64, 1), FP8_TENSOR_LARGE (256, 4, 128, 0); the fp8 harness's
     # TENSOR_SMALL, TENSOR_PROMOTED and SWEEP_T.

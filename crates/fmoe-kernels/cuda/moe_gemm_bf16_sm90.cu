@@ -7,7 +7,7 @@
 // the next tile is waited for, so the ring prefetches STAGES - 2 tiles ahead. GEMM1 (MODE 1) tiles pair WG_N/2 gate rows with the
 // matching up rows; GEMM2 (MODE 2) may split the reduction over gridDim.z.
 //
-// Used as SM90_SMALL and SM90_SYNC (cuda.rs); SM90_LARGE is moe_gemm_bf16_sm90_ws.cu.
+// Used as SM90_SMALL and SM90_SYNC (cuda.rs); SM90_LARGE is moe_gemm_bf16_sm90_pipe.cu.
 // RASTER_GM (optional): blocks take their tiles in grouped order (raster_grouped in moe_tile.cuh).
 //
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.

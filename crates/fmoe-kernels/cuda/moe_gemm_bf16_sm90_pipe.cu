@@ -1,11 +1,12 @@
-// moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM of
-// moe_gemm_bf16_sm90_ws.cu (B_TMA=1) with a loader that never waits for its own copies, optionally
-// persistent. Same MODEs and contract; after the tensor map three more u32 (n_tiles, m_blocks,
-// splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256, BM = 128 or 64.
+// moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM (one loader warpgroup,
+// two MMA warpgroups, weights through TMA), optionally persistent. Same MODEs, arguments and
+// contract as moe_gemm_bf16_sm90.cu, plus the weights' tensor map `b_map`, three u32 (n_tiles,
+// m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256,
+// BM = 128 or 64.
 //
 // Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
 // `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
-// STAGES stages can be in flight (the ws kernel waits for stage s-1 before issuing s+1: two in
+// STAGES stages can be in flight (a loader that waits for stage s-1 before issuing s+1 keeps two in
 // flight, and the gather's L2 latency showed through). Thread 0 adds the weight tile by TMA. The
 // MMA warpgroups fence the async proxy after `full[s]` (cp.async writes through the generic proxy).
 //

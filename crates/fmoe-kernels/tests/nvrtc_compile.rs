@@ -187,7 +187,6 @@ fn catalog_covers_every_source_and_gemm_config() {
         "moe_gemm_bf16",
         "moe_gemm_bf16_sm90",
         "moe_gemm_bf16_sm90_pipe",
-        "moe_gemm_bf16_sm90_ws",
         "moe_gemm_bf16_swapab_sm90",
         "moe_gemm_fp8_block_sm90",
         "moe_gemm_fp8_sm90",

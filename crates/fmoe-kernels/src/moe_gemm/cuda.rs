@@ -50,7 +50,7 @@ pub struct GemmConfig {
     pub wg_n: usize,
     /// Split GEMM2's reduction over `gridDim.z` when the grid is too small to fill the GPU.
     pub split_k: bool,
-    /// `Sm90`/`Sm90Ws`: blocks take their tiles in groups of this many M blocks, M fastest
+    /// `Sm90`/`Sm90Pipe`: blocks take their tiles in groups of this many M blocks, M fastest
     /// (`-D RASTER_GM`; 0 = launch order, N fastest).
     pub raster_gm: usize,
 }
@@ -61,14 +61,10 @@ pub enum GemmKind {
     Mma,
     /// `cuda/moe_gemm_bf16_sm90.cu`: wgmma (sm_90a only), BM × WG_N tiles, BM/64 warpgroups.
     Sm90,
-    /// `cuda/moe_gemm_bf16_sm90_ws.cu`: wgmma, 128 × 256 tiles, warp-specialized (one loader
-    /// warpgroup, two MMA warpgroups, an mbarrier ring).
-    Sm90Ws,
-    /// `Sm90Ws` with the weight tile through the copy engine (`-D B_TMA=1`, a tensor map over
-    /// the weights as one more kernel argument).
-    Sm90WsTma,
-    /// `cuda/moe_gemm_bf16_sm90_pipe.cu`: `Sm90WsTma` whose loader keeps every stage in flight
-    /// (cp.async completion tracked by the mbarrier), GEMM2 with vector reductions, BM 128 or 64;
+    /// `cuda/moe_gemm_bf16_sm90_pipe.cu`: wgmma, warp-specialized (one loader warpgroup, two MMA
+    /// warpgroups, an mbarrier ring), the weight tile through TMA (a tensor map over the weights
+    /// as one more argument), the loader keeping every stage in flight (cp.async completion
+    /// tracked by the mbarrier), GEMM2 with vector reductions, BM 128 or 64;
     /// `persistent`: one block per SM walks the tiles, the next tile's loads overlapping this
     /// tile's epilogue; `dynamic` (persistent only): blocks claim tiles from a global counter
     /// instead of a fixed stride. Takes the tile space (n_tiles, m_blocks, splits) and the
@@ -135,26 +131,14 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
 /// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route. The
 /// pipe kernel (loader with every stage in flight, GEMM2 with vector reductions), persistent,
 /// tiles claimed from a counter in grouped order (H200, BENCHMARKS.md: 1.19–1.27× faster than
-/// [`SM90_WS_TMA`] at M = 1024–16384 on Mixtral-8x7B/8x22B and DeepSeek-V3 at 16384; the
+/// the warp-specialized kernel before it (`moe_gemm_bf16_sm90_ws.cu`, removed; its loader kept
+/// two stages in flight) at M = 1024–16384 on Mixtral-8x7B/8x22B and DeepSeek-V3 at 16384; the
 /// non-persistent "pipe" and the fixed-stride "persist" are within the run-to-run noise of it).
 pub const SM90_LARGE: GemmConfig = GemmConfig {
     kind: GemmKind::Sm90Pipe {
         persistent: true,
         dynamic: true,
     },
-    bm: 128,
-    bk: 64,
-    stages: 4,
-    wg_n: 256,
-    split_k: true,
-    raster_gm: 16,
-};
-
-/// The previous [`SM90_LARGE`]: the warp-specialized kernel with TMA weights whose loader waits
-/// for its previous stage's gather before issuing the next (two stages in flight; ncu: the loader
-/// warps stall on it, the tensor cores are busy ~61 % of the time). Kept as the experiment "tma".
-pub const SM90_WS_TMA: GemmConfig = GemmConfig {
-    kind: GemmKind::Sm90WsTma,
     bm: 128,
     bk: 64,
     stages: 4,
@@ -183,44 +167,9 @@ pub const DEV_SM90_LARGE_ENV: &str = "FMOE_DEV_SM90_LARGE";
 
 /// The experiments of [`DEV_SM90_LARGE_ENV`], by name ("default" is [`SM90_LARGE`], the
 /// persistent pipe kernel with the dynamic schedule, measured as "dyn").
-pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 9] = [
+pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 6] = [
     ("default", SM90_LARGE),
     ("sync", SM90_SYNC),
-    ("tma", SM90_WS_TMA),
-    // The loader keeps all four stages in flight, GEMM2 adds with vector reductions.
-    (
-        "pipe",
-        GemmConfig {
-            kind: GemmKind::Sm90Pipe {
-                persistent: false,
-                dynamic: false,
-            },
-            ..SM90_WS_TMA
-        },
-    ),
-    // `pipe`, persistent: one block per SM, the next tile's loads overlap this tile's epilogue.
-    (
-        "persist",
-        GemmConfig {
-            kind: GemmKind::Sm90Pipe {
-                persistent: true,
-                dynamic: false,
-            },
-            ..SM90_WS_TMA
-        },
-    ),
-    // The default in groups of 8 M blocks.
-    (
-        "dyn_gm8",
-        GemmConfig {
-            kind: GemmKind::Sm90Pipe {
-                persistent: true,
-                dynamic: true,
-            },
-            raster_gm: 8,
-            ..SM90_WS_TMA
-        },
-    ),
     // SM90_SYNC in grouped tile order: resident blocks share weight tiles.
     (
         "raster",
@@ -229,20 +178,34 @@ pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 9] = [
             ..SM90_SYNC
         },
     ),
-    // Warp-specialized with cp.async weights, grouped tile order.
+    // One tile per block (no persistent grid).
     (
-        "ws",
+        "pipe",
         GemmConfig {
-            kind: GemmKind::Sm90Ws,
-            ..SM90_WS_TMA
+            kind: GemmKind::Sm90Pipe {
+                persistent: false,
+                dynamic: false,
+            },
+            ..SM90_LARGE
         },
     ),
+    // Persistent with a fixed stride instead of the tile counter.
     (
-        "ws_gm8",
+        "persist",
         GemmConfig {
-            kind: GemmKind::Sm90Ws,
+            kind: GemmKind::Sm90Pipe {
+                persistent: true,
+                dynamic: false,
+            },
+            ..SM90_LARGE
+        },
+    ),
+    // The default in groups of 8 M blocks.
+    (
+        "dyn_gm8",
+        GemmConfig {
             raster_gm: 8,
-            ..SM90_WS_TMA
+            ..SM90_LARGE
         },
     ),
 ];
@@ -423,11 +386,7 @@ impl GemmConfig {
     pub const fn b_rows(&self) -> usize {
         match self.kind {
             GemmKind::Mma => 128,
-            GemmKind::Sm90
-            | GemmKind::Sm90Ws
-            | GemmKind::Sm90WsTma
-            | GemmKind::Sm90Pipe { .. }
-            | GemmKind::SwapAb => self.wg_n,
+            GemmKind::Sm90 | GemmKind::Sm90Pipe { .. } | GemmKind::SwapAb => self.wg_n,
         }
     }
     /// Output columns per block: GEMM1 (MODE 1) pairs half its weight rows (gate) with the other
@@ -443,7 +402,7 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
-            GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => 384,
+            GemmKind::Sm90Pipe { .. } => 384,
             // Two MMA warpgroups and one loader warp.
             GemmKind::SwapAb => 288,
         }
@@ -452,7 +411,7 @@ impl GemmConfig {
     pub const fn smem_bytes(&self) -> u32 {
         (match self.kind {
             GemmKind::Mma => self.stages * (64 + 128) * (self.bk + 8) * 2,
-            GemmKind::Sm90 | GemmKind::Sm90Ws | GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } => {
+            GemmKind::Sm90 | GemmKind::Sm90Pipe { .. } => {
                 self.stages * (self.bm + self.wg_n) * 64 * 2 + 1024
             }
             // 128 bytes of K per weight row and route per stage.
@@ -463,7 +422,6 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => (GEMM_FAMILY, GEMM_SRC),
             GemmKind::Sm90 => (GEMM_SM90_FAMILY, GEMM_SM90_SRC),
-            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => (GEMM_SM90_WS_FAMILY, GEMM_SM90_WS_SRC),
             GemmKind::Sm90Pipe { .. } => (GEMM_SM90_PIPE_FAMILY, GEMM_SM90_PIPE_SRC),
             GemmKind::SwapAb => (GEMM_SWAPAB_FAMILY, SWAPAB_SRC),
         }
@@ -481,13 +439,6 @@ impl GemmConfig {
                 d.push(("BM", self.bm.to_string()));
                 if self.raster_gm > 0 {
                     d.push(("RASTER_GM", self.raster_gm.to_string()));
-                }
-            }
-            GemmKind::Sm90Ws | GemmKind::Sm90WsTma => {
-                d.push(("STAGES", self.stages.to_string()));
-                d.push(("RASTER_GM", self.raster_gm.to_string()));
-                if self.kind == GemmKind::Sm90WsTma {
-                    d.push(("B_TMA", "1".to_string()));
                 }
             }
             GemmKind::Sm90Pipe {
@@ -541,8 +492,6 @@ const GEMM_FAMILY: &str = "moe_gemm_bf16";
 const GEMM_SRC: &str = include_str!("../../cuda/moe_gemm_bf16.cu");
 const GEMM_SM90_FAMILY: &str = "moe_gemm_bf16_sm90";
 const GEMM_SM90_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90.cu");
-const GEMM_SM90_WS_FAMILY: &str = "moe_gemm_bf16_sm90_ws";
-const GEMM_SM90_WS_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_ws.cu");
 const GEMM_SM90_PIPE_FAMILY: &str = "moe_gemm_bf16_sm90_pipe";
 const GEMM_SM90_PIPE_SRC: &str = include_str!("../../cuda/moe_gemm_bf16_sm90_pipe.cu");
 const GEMM_SWAPAB_FAMILY: &str = "moe_gemm_bf16_swapab_sm90";
@@ -931,10 +880,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     }
     b.arg(&num_routes).arg(&top_k).arg(&kd).arg(&n_out);
     let b_map;
-    if matches!(
-        cfg.kind,
-        GemmKind::Sm90WsTma | GemmKind::Sm90Pipe { .. } | GemmKind::SwapAb
-    ) {
+    if matches!(cfg.kind, GemmKind::Sm90Pipe { .. } | GemmKind::SwapAb) {
         // All experts' rows; MODE 1 loads the gate and the up half of each MMA warpgroup's
         // weight rows as two boxes (of 128 rows for BM = 128, of 64 for the pipe kernel's BM = 64).
         // Swap-AB: each 256-row tile is two boxes of 128 rows (gate and up, or two halves).
@@ -968,8 +914,8 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // route ids are < num_routes or the pad; MODE 1's h and MODE 2's topk_weights/y32 have the
     // sizes the kernel indexes (y32 zeroed, as split-K adds into it); the unused pointer of each
     // mode is null and never dereferenced; MODE 1 runs with gridDim.z = 1; the dynamic shared
-    // memory is the source's formula for these defines, opted in above 48 KiB. `Sm90WsTma` takes
-    // one more argument, the weights' tensor map, pushed above; `Sm90Pipe` that, the tile space
+    // memory is the source's formula for these defines, opted in above 48 KiB. `Sm90Pipe` takes
+    // four more arguments, pushed above: the weights' tensor map, the tile space
     // (three u32; its grid covers it, or walks it when persistent) and the tile counter, a zeroed
     // u32 the dynamic schedule increments once per claimed tile (null otherwise, never read).
     // `SwapAb` takes the tensor map only (boxes of 128 rows); its grid puts the route blocks (at
