@@ -215,8 +215,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     for (unsigned int j = 0;; ++j) {
         mbar_wait(tfull0 + 8 * (j & 1), (j >> 1) & 1);
         const unsigned int t = tile_ring[j & 1];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(tempty0 + 8 * (j & 1));
+        warp_arrive(tempty0 + 8 * (j & 1), lane);
         if (t >= tiles) break;
 #else
     for (unsigned int t = t_first; t < tiles; t += t_step) {
@@ -250,15 +249,13 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             // The group of the previous K tile has retired: its slot goes back to the loader.
             wgmma_wait<1>();
             if (kt > 0) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+                warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
             }
         }
         wgmma_wait<0>();
         wgmma_fence_operands<CW_N / 2>(acc);
         // The last K tile's slot too: the loader may already be filling the next tile's stages.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
 
         // Epilogue. acc[4j + q]: row 64 cm + 16 (warp % 4) + g (+8 for q >= 2), column 8j + 2t + (q & 1)
         // of this warpgroup's CW_N weight rows.

@@ -241,8 +241,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     for (unsigned int claim = 0;; ++claim) {
         mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
         const unsigned int tl = tile_ring[claim & 1];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(tempty0 + 8 * (claim & 1));
+        warp_arrive(tempty0 + 8 * (claim & 1), lane);
         if (tl >= tiles) break;
         const PipeTile tc = pipe_tile(tl, n_tiles, m_blocks, RASTER_GM);
         const unsigned int m0 = tc.m_block * BM, first = tc.split * per_split;
@@ -317,8 +316,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 }
             }
             // Both halves' wgmma retired and the stage's scales read: the slot goes back to the loaders.
-            __syncwarp();
-            if (lane == 0) mbar_arrive(empty0 + 8 * s);
+            warp_arrive(empty0 + 8 * s, lane);
         }
 #else
         for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -335,15 +333,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             // The group of the previous K step has retired: its slot goes back to the loaders.
             wgmma_wait<1>();
             if (kt > 0) {
-                __syncwarp();
-                if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+                warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
             }
         }
         wgmma_wait<0>();
         wgmma_fence_operands<NB / 2>(acc);
         // The last K step's slot too: the loaders may already be filling the next tile's stages.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * ((it - 1) % STAGES));
+        warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
 #endif
 
         // Epilogue. acc[4j + 2h + q]: tile row r0 + 8h, weight-tile column 8j + 2t + q.

@@ -261,8 +261,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         wgmma_fence_operands<8>(acc[0]);
         wgmma_fence_operands<8>(acc[1]);
         // The stage's wgmma retired: the slot goes back to the loader.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        warp_arrive(empty0 + 8 * s, lane);
 #else
 #pragma unroll
         for (int ks = 0; ks < BK / 32; ++ks)
@@ -283,8 +282,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
 #endif
         // The stage's wgmma retired and its scales read: the slot goes back to the loader.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        warp_arrive(empty0 + 8 * s, lane);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll

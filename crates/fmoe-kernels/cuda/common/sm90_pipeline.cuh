@@ -15,6 +15,12 @@ __device__ __forceinline__ void mbar_init(unsigned int bar, unsigned int count) 
 __device__ __forceinline__ void mbar_arrive(unsigned int bar) {
     asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// One MMA warp's release of a ring slot: the empty barriers count one arrival per warp, after every
+// lane is done with the slot.
+__device__ __forceinline__ void warp_arrive(unsigned int bar, unsigned int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+}
 // Spins until the phase with parity `parity` of the barrier has completed (labels are local to
 // the braces, so each inlined copy has its own).
 __device__ __forceinline__ void mbar_wait(unsigned int bar, unsigned int parity) {
