@@ -64,6 +64,9 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef PIPE_PROMOTE
+#define PIPE_PROMOTE 0
+#endif
 #ifndef RASTER_GM
 #define RASTER_GM 16
 #endif
@@ -81,6 +84,44 @@
 
 static_assert(STAGES >= 2, "a ring");
 static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+
+#if BLOCK_SCALED && PIPE_PROMOTE
+// acc[32 q4 + i] += part[i] * its scale, part = quarter q4 (weight-tile columns 64 q4 ..; i = 4j + 2h
+// + qq: tile row r0 + 8h, column 64 (q4 & 1) + 8j + 2t + qq of its half); columns of the half below
+// thr take the scale of its first weight block (wlo), the others the next one's (whi). The same
+// products and fmaf as the 64-column promotion, so the sums are bit-identical.
+__device__ __forceinline__ void promote_quarter(float* acc, const float* part, int q4, float sa0, float sa1, float wlo,
+                                                float whi, int thr, unsigned int t) {
+    const int c0 = 64 * (q4 & 1);
+    if (thr >= c0 + 64) {
+        // The whole quarter in the first block (always, when N % 128 == 0): no per-column choice.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float sc = (h ? sa1 : sa0) * wlo;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int qq = 0; qq < 2; ++qq) {
+                    const int i = 4 * j + 2 * h + qq;
+                    acc[32 * q4 + i] = fmaf(part[i], sc, acc[32 * q4 + i]);
+                }
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float s_a = h ? sa1 : sa0;
+            const float slo = s_a * wlo, shi = s_a * whi;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int qq = 0; qq < 2; ++qq) {
+                    const int i = 4 * j + 2 * h + qq;
+                    acc[32 * q4 + i] = fmaf(part[i], (c0 + 8 * j + 2 * (int)t + qq) < thr ? slo : shi, acc[32 * q4 + i]);
+                }
+        }
+    }
+}
+#endif
 
 #if BLOCK_SCALED
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -274,6 +315,74 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const float* ws01 = wse + (unsigned long long)b0n * kblocks;
         const float* ws10 = wse + (unsigned long long)b1 * kblocks;
         const float* ws11 = wse + (unsigned long long)b1n * kblocks;
+#if PIPE_PROMOTE
+        // Quarter q4 of a K block: weight-tile rows 64 q4 .. 64 q4 + 63 (half q4 >> 1) into
+        // part[q4 & 1], promoted into acc[32 q4 ..] while quarter q4 + 1 multiplies. ptxas keeps
+        // wgmma asynchronous only while no group is in flight across the loop's back edge, so each
+        // loop iteration drains: the last quarter of its last K block is promoted alone.
+        float part[2][32];
+        // The scales of the previous K block, whose quarter 3 is in flight at a `lead = false` block.
+        float psa0 = 0.0f, psa1 = 0.0f, pw10 = 0.0f, pw11 = 0.0f;
+        auto kblock = [&](unsigned int kt, bool lead, bool drain) {
+            const unsigned int s = it % STAGES, kb = first + kt;
+            // Issued before the wait, so their latency hides behind it.
+            const float w00 = ws00[kb], w01 = ws01[kb], w10 = ws10[kb], w11 = ws11[kb];
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            // A and its scales were written by cp.async (generic proxy); wgmma reads through the
+            // async proxy.
+            fence_proxy_async_shared();
+            const unsigned int st = ring + s * STAGE_BYTES;
+            const unsigned long long da = smem_desc(st + cw * (64 * 128));
+            const float sa0 = a_sc[s][r0], sa1 = a_sc[s][r0 + 8];
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+                const unsigned long long db = smem_desc(st + A_BYTES + q4 * (64 * 128));
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < BK / 32; ++ks)
+                    // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
+                    wgmma_m64n64k32_e4m3(part[q4 & 1], da + 2 * ks, db + 2 * ks, ks > 0);
+                wgmma_commit();
+                if (q4 == 0 && lead) continue;
+                // The previous quarter has retired (this one stays in flight): promote it.
+                wgmma_wait<1>();
+                wgmma_fence_operands<32>(part[(q4 + 1) & 1]);
+                if (q4 == 0) {
+                    promote_quarter(acc, part[1], 3, psa0, psa1, pw10, pw11, thr1, t);
+                    // The previous K block's wgmma all retired and its scales read: its slot goes
+                    // back to the loaders.
+                    warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+                } else if (q4 < 3) {
+                    promote_quarter(acc, part[(q4 - 1) & 1], q4 - 1, sa0, sa1, w00, w01, thr0, t);
+                } else {
+                    promote_quarter(acc, part[0], 2, sa0, sa1, w10, w11, thr1, t);
+                }
+            }
+            if (drain) {
+                wgmma_wait<0>();
+                wgmma_fence_operands<32>(part[1]);
+                promote_quarter(acc, part[1], 3, sa0, sa1, w10, w11, thr1, t);
+                warp_arrive(empty0 + 8 * s, lane);
+            } else {
+                psa0 = sa0;
+                psa1 = sa1;
+                pw10 = w10;
+                pw11 = w11;
+            }
+            ++it;
+        };
+#if PIPE_PROMOTE == 2
+        // Two K blocks per iteration: one drain per pair.
+        unsigned int kt = 0;
+        for (; kt + 1 < ktiles; kt += 2) {
+            kblock(kt, true, false);
+            kblock(kt + 1, false, true);
+        }
+        if (kt < ktiles) kblock(kt, true, true);
+#else
+        for (unsigned int kt = 0; kt < ktiles; ++kt) kblock(kt, true, true);
+#endif
+#else
         float part[64];
 
         for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
@@ -318,6 +427,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             // Both halves' wgmma retired and the stage's scales read: the slot goes back to the loaders.
             warp_arrive(empty0 + 8 * s, lane);
         }
+#endif  // PIPE_PROMOTE
 #else
         for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
             const unsigned int s = it % STAGES;

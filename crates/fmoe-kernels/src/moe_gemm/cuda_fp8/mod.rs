@@ -125,6 +125,11 @@ pub struct Fp8GemmConfig {
     /// The swap-AB decode kernel (`moe_gemm_swapab_sm90.cu`): weights as the MMA's M operand
     /// (256 weight rows per block through TMA), the `bm` = 16 routes of one expert as its N.
     pub swap_ab: bool,
+    /// Block-scaled `ws` only, how the promotion meets the MMAs (`-D PIPE_PROMOTE`): 0 = each
+    /// warpgroup multiplies a 128-row half, waits and promotes it (tensor cores idle meanwhile
+    /// unless the other warpgroup multiplies); 1 = 64-row quarters, each promoted while the next
+    /// one multiplies, drained once per K block; 2 = as 1, drained once per pair of K blocks.
+    pub promote_pipe: usize,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -137,6 +142,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     ws: false,
     raster_gm: 0,
     swap_ab: false,
+    promote_pipe: 0,
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
@@ -150,6 +156,7 @@ pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     ws: true,
     raster_gm: 16,
     swap_ab: false,
+    promote_pipe: 0,
 };
 
 /// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
@@ -171,10 +178,12 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     ws: false,
     raster_gm: 0,
     swap_ab: false,
+    promote_pipe: 0,
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
-/// promoted per 128-wide K block, persistent (tiles claimed in grouped order from a counter).
+/// promoted per 128-wide K block in 64-row quarters overlapping the next quarter's MMAs (drained
+/// once per pair of K blocks), persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
@@ -184,6 +193,20 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     ws: true,
     raster_gm: 16,
     swap_ab: false,
+    promote_pipe: 2,
+};
+
+/// [`FP8_BLOCK_LARGE`] with its previous promotion: 128-row halves, each waited for and promoted
+/// before the next one is issued. The dev experiment "promote-halves" of [`DEV_FP8_LARGE_ENV`].
+pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe: 0,
+    ..FP8_BLOCK_LARGE
+};
+
+/// [`FP8_BLOCK_LARGE`] drained once per K block ("promote-quarters" of [`DEV_FP8_LARGE_ENV`]).
+pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe: 1,
+    ..FP8_BLOCK_LARGE
 };
 
 /// Per-tensor, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] on average): swap-AB,
@@ -199,6 +222,7 @@ pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     ws: false,
     raster_gm: 0,
     swap_ab: true,
+    promote_pipe: 0,
 };
 
 /// Block-scaled, few routes per expert: the swap-AB kernel with `BLOCK_SCALED=1`.
@@ -238,25 +262,53 @@ pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
 
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
-/// only block kernel before), so one binary can time and test both (read once per process; not a
-/// user setting; "default" or unset = the warp-specialized kernels).
+/// only block kernel before); `promote-halves` / `promote-quarters` / `promote-pairs` run the
+/// block-scaled warp-specialized kernel with that promotion ([`Fp8GemmConfig::promote_pipe`] 0, 1,
+/// 2), so one binary can time and test them all (read once per process; not a user setting;
+/// "default" or unset = the warp-specialized kernels as selected).
 pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
 
-/// Whether [`DEV_FP8_LARGE_ENV`] asks for the previous kernels (an unknown value is reported once
-/// on stderr and ignored).
-fn dev_sync() -> bool {
-    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+/// What [`DEV_FP8_LARGE_ENV`] asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum DevLarge {
+    Default,
+    Sync,
+    /// The block-scaled large kernel with this `promote_pipe`.
+    Promote(usize),
+}
+
+/// [`DEV_FP8_LARGE_ENV`] (an unknown value is reported once on stderr and ignored).
+fn dev_large() -> DevLarge {
+    static CHOICE: std::sync::OnceLock<DevLarge> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
-        Err(_) | Ok("default") => false,
-        Ok("sync") => true,
+        Err(_) | Ok("default") => DevLarge::Default,
+        Ok("sync") => DevLarge::Sync,
+        Ok("promote-halves") => DevLarge::Promote(0),
+        Ok("promote-quarters") => DevLarge::Promote(1),
+        Ok("promote-pairs") => DevLarge::Promote(2),
         Ok(other) => {
             eprintln!(
-                "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\"]; using \
-                 the default"
+                "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
+                 \"promote-halves\", \"promote-quarters\", \"promote-pairs\"]; using the default"
             );
-            false
+            DevLarge::Default
         }
     })
+}
+
+fn dev_sync() -> bool {
+    dev_large() == DevLarge::Sync
+}
+
+/// `cfg` with the promotion [`DEV_FP8_LARGE_ENV`] asks for, when it is the block-scaled large one.
+fn with_dev_promote(cfg: Fp8GemmConfig, dev: DevLarge) -> Fp8GemmConfig {
+    match dev {
+        DevLarge::Promote(p) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
+            promote_pipe: p,
+            ..cfg
+        },
+        _ => cfg,
+    }
 }
 
 const TENSOR_FAMILY: &str = "moe_gemm_fp8_sm90";
@@ -273,7 +325,7 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 7] = [
+pub(super) const ALL: [Fp8GemmConfig; 9] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
     FP8_TENSOR_SMALL,
@@ -281,6 +333,8 @@ pub(super) const ALL: [Fp8GemmConfig; 7] = [
     FP8_TENSOR_SYNC,
     FP8_BLOCK_SCALED,
     FP8_BLOCK_LARGE,
+    FP8_BLOCK_LARGE_HALVES,
+    FP8_BLOCK_LARGE_QUARTERS,
 ];
 
 /// [`ALL`], both modes, as catalog entries.
@@ -309,7 +363,7 @@ impl Fp8GemmConfig {
             return Self::swap_ab(scheme, stages);
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
-        Self::select_with(scheme, large, dev_sync())
+        with_dev_promote(Self::select_with(scheme, large, dev_sync()), dev_large())
     }
 
     /// The swap-AB variant of `scheme` with a ring of `stages`.
@@ -338,6 +392,7 @@ impl Fp8GemmConfig {
     pub fn for_block_m(scheme: Fp8Scheme, block_m: usize) -> Option<Fp8GemmConfig> {
         let stages = dev_swapab().unwrap_or(FP8_TENSOR_SWAPAB.stages);
         Self::for_block_m_with(scheme, block_m, dev_sync(), stages)
+            .map(|c| with_dev_promote(c, dev_large()))
     }
 
     fn for_block_m_with(
@@ -426,6 +481,9 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("RASTER_GM", self.raster_gm.to_string()));
+            if self.promote_pipe > 0 {
+                d.push(("PIPE_PROMOTE", self.promote_pipe.to_string()));
+            }
             return d;
         }
         if self.scheme == Fp8Scheme::PerTensor {
@@ -546,9 +604,28 @@ mod tests {
                 ("MODE", "1".to_string()),
                 ("BLOCK_SCALED", "1".to_string()),
                 ("STAGES", "4".to_string()),
+                ("RASTER_GM", "16".to_string()),
+                ("PIPE_PROMOTE", "2".to_string())
+            ]
+        );
+        // The previous promotion: the same source without the define.
+        assert_eq!(
+            FP8_BLOCK_LARGE_HALVES.defines(2),
+            [
+                ("MODE", "2".to_string()),
+                ("BLOCK_SCALED", "1".to_string()),
+                ("STAGES", "4".to_string()),
                 ("RASTER_GM", "16".to_string())
             ]
         );
+        assert_eq!(FP8_BLOCK_LARGE_QUARTERS.defines(1)[4].1, "1");
+        for c in ALL {
+            // Only the block-scaled warp-specialized kernel pipelines its promotion.
+            assert!(
+                c.promote_pipe == 0 || (c.ws && c.scheme == Fp8Scheme::Block),
+                "{c:?}"
+            );
+        }
         assert_eq!(FP8_TENSOR_LARGE.source().2, FP8_TENSOR_SYNC.source().2);
         assert_eq!(FP8_BLOCK_LARGE.source().2, FP8_BLOCK_SCALED.source().2);
         assert_eq!(FP8_TENSOR_LARGE.source().0, FP8_BLOCK_LARGE.source().0);
@@ -681,6 +758,27 @@ mod tests {
             Some(FP8_BLOCK_LARGE)
         );
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), None);
+        // The dev promotions replace only the block-scaled large kernel.
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0)),
+            FP8_BLOCK_LARGE_HALVES
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(1)),
+            FP8_BLOCK_LARGE_QUARTERS
+        );
+        assert_eq!(
+            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0)),
+            FP8_TENSOR_LARGE
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1)),
+            FP8_BLOCK_SCALED
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Default),
+            FP8_BLOCK_LARGE
+        );
     }
 
     #[test]
