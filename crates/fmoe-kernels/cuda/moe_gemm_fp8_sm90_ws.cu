@@ -67,6 +67,7 @@
 #ifndef PIPE_PROMOTE
 #define PIPE_PROMOTE 0
 #endif
+static_assert(PIPE_PROMOTE == 0 || PIPE_PROMOTE == 1 || PIPE_PROMOTE == 2 || PIPE_PROMOTE == 4, "K blocks per drain");
 #ifndef RASTER_GM
 #define RASTER_GM 16
 #endif
@@ -319,7 +320,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         // Quarter q4 of a K block: weight-tile rows 64 q4 .. 64 q4 + 63 (half q4 >> 1) into
         // part[q4 & 1], promoted into acc[32 q4 ..] while quarter q4 + 1 multiplies. ptxas keeps
         // wgmma asynchronous only while no group is in flight across the loop's back edge, so each
-        // loop iteration drains: the last quarter of its last K block is promoted alone.
+        // loop iteration drains: the last quarter of its last K block is promoted alone. An
+        // iteration takes PIPE_PROMOTE (1, 2 or 4) K blocks.
         float part[2][32];
         // The scales of the previous K block, whose quarter 3 is in flight at a `lead = false` block.
         float psa0 = 0.0f, psa1 = 0.0f, pw10 = 0.0f, pw11 = 0.0f;
@@ -371,17 +373,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             }
             ++it;
         };
-#if PIPE_PROMOTE == 2
-        // Two K blocks per iteration: one drain per pair.
+        // PIPE_PROMOTE K blocks per iteration, one drain each; the remainder drains per block.
         unsigned int kt = 0;
-        for (; kt + 1 < ktiles; kt += 2) {
-            kblock(kt, true, false);
-            kblock(kt + 1, false, true);
+        for (; kt + PIPE_PROMOTE <= ktiles; kt += PIPE_PROMOTE) {
+#pragma unroll
+            for (int u = 0; u < PIPE_PROMOTE; ++u) kblock(kt + u, u == 0, u == PIPE_PROMOTE - 1);
         }
-        if (kt < ktiles) kblock(kt, true, true);
-#else
-        for (unsigned int kt = 0; kt < ktiles; ++kt) kblock(kt, true, true);
-#endif
+        for (; kt < ktiles; ++kt) kblock(kt, true, true);
 #else
         float part[64];
 

@@ -127,8 +127,8 @@ pub struct Fp8GemmConfig {
     pub swap_ab: bool,
     /// Block-scaled `ws` only, how the promotion meets the MMAs (`-D PIPE_PROMOTE`): 0 = each
     /// warpgroup multiplies a 128-row half, waits and promotes it (tensor cores idle meanwhile
-    /// unless the other warpgroup multiplies); 1 = 64-row quarters, each promoted while the next
-    /// one multiplies, drained once per K block; 2 = as 1, drained once per pair of K blocks.
+    /// unless the other warpgroup multiplies); p = 1, 2, 4 = 64-row quarters, each promoted while
+    /// the next one multiplies, the wgmma pipe drained once per p K blocks.
     pub promote_pipe: usize,
 }
 
@@ -203,12 +203,6 @@ pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
     ..FP8_BLOCK_LARGE
 };
 
-/// [`FP8_BLOCK_LARGE`] drained once per K block ("promote-quarters" of [`DEV_FP8_LARGE_ENV`]).
-pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
-    promote_pipe: 1,
-    ..FP8_BLOCK_LARGE
-};
-
 /// Per-tensor, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] on average): swap-AB,
 /// 256 weight rows × 16 routes per block, promoted per 128-wide K tile, a 3-deep TMA ring (103
 /// KiB: two blocks per SM, 192 KiB of weights in flight per SM; on the H200 3 stages beat 4 and
@@ -262,10 +256,11 @@ pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
 
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
-/// only block kernel before); `promote-halves` / `promote-quarters` / `promote-pairs` run the
-/// block-scaled warp-specialized kernel with that promotion ([`Fp8GemmConfig::promote_pipe`] 0, 1,
-/// 2), so one binary can time and test them all (read once per process; not a user setting;
-/// "default" or unset = the warp-specialized kernels as selected).
+/// only block kernel before); `promote-halves` runs the block-scaled warp-specialized kernel with
+/// its previous promotion ([`FP8_BLOCK_LARGE_HALVES`]) and `promote-drain1|2|4` with quarters
+/// drained every 1, 2 or 4 K blocks ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
+/// compiled when used), so one binary can time and test them all (read once per process; not a
+/// user setting; "default" or unset = the warp-specialized kernels as selected).
 pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
 
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
@@ -284,12 +279,14 @@ fn dev_large() -> DevLarge {
         Err(_) | Ok("default") => DevLarge::Default,
         Ok("sync") => DevLarge::Sync,
         Ok("promote-halves") => DevLarge::Promote(0),
-        Ok("promote-quarters") => DevLarge::Promote(1),
-        Ok("promote-pairs") => DevLarge::Promote(2),
+        Ok("promote-drain1") => DevLarge::Promote(1),
+        Ok("promote-drain2") => DevLarge::Promote(2),
+        Ok("promote-drain4") => DevLarge::Promote(4),
         Ok(other) => {
             eprintln!(
                 "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
-                 \"promote-halves\", \"promote-quarters\", \"promote-pairs\"]; using the default"
+                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\"]; \
+                 using the default"
             );
             DevLarge::Default
         }
@@ -325,7 +322,7 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 9] = [
+pub(super) const ALL: [Fp8GemmConfig; 8] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
     FP8_TENSOR_SMALL,
@@ -334,7 +331,6 @@ pub(super) const ALL: [Fp8GemmConfig; 9] = [
     FP8_BLOCK_SCALED,
     FP8_BLOCK_LARGE,
     FP8_BLOCK_LARGE_HALVES,
-    FP8_BLOCK_LARGE_QUARTERS,
 ];
 
 /// [`ALL`], both modes, as catalog entries.
@@ -618,7 +614,6 @@ mod tests {
                 ("RASTER_GM", "16".to_string())
             ]
         );
-        assert_eq!(FP8_BLOCK_LARGE_QUARTERS.defines(1)[4].1, "1");
         for c in ALL {
             // Only the block-scaled warp-specialized kernel pipelines its promotion.
             assert!(
@@ -764,8 +759,8 @@ mod tests {
             FP8_BLOCK_LARGE_HALVES
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(1)),
-            FP8_BLOCK_LARGE_QUARTERS
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4)).defines(2)[4],
+            ("PIPE_PROMOTE", "4".to_string())
         );
         assert_eq!(
             with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0)),
