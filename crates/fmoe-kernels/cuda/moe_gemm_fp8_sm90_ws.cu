@@ -33,7 +33,14 @@
 //   promotes on the CUDA cores: acc += partial * (a_scale[row, kb] * w_scale[e, block(row'), kb]),
 //   the order of moe_gemm/cpu.rs. acc (128) + partial (64) do not fit the 168 registers of 384
 //   threads: setmaxnreg gives the loaders 40 and the MMA warpgroups 232 (the warpgroup that is
-//   promoting leaves the tensor cores to the other). The loaders bring A's group scales of the
+//   promoting leaves the tensor cores to the other).
+//   PIPE_PROMOTE = p > 0 (1, 2 or 4): the partial is split into two 32-register quarters
+//   (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is issued before quarter q
+//   is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's own MMAs run under its
+//   promotion; same products, same fmaf, same order (bit-identical to PIPE_PROMOTE=0). ptxas
+//   serializes every wgmma (C7514) when a group is in flight across a loop's back edge, so the
+//   K loop takes p K blocks per iteration and drains once per iteration (the last quarter is
+//   promoted alone). The loaders bring A's group scales of the
 //   stage's K block (cp.async, 4 bytes per row, under the same arrival) into the stage; the MMA
 //   warps read the expert's four weight-block scales of the K block from global memory before
 //   waiting for the stage. A half whose 128 rows straddle two weight blocks (the up rows when
