@@ -62,7 +62,10 @@ fn run_child(path: &Path) {
         &randn(&mut rng, e * 2 * n * k, 1.0 / (k as f32).sqrt()),
         [e, 2 * n, k],
     );
-    let w2 = block(&randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt()), [e, k, n]);
+    let w2 = block(
+        &randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt()),
+        [e, k, n],
+    );
     let x = Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
     let ids: Vec<u32> = (0..m).map(|_| rng.random_range(0..e) as u32).collect();
     let ids = Tensor::from_vec(ids, [m, 1], &cpu).unwrap();
@@ -111,10 +114,8 @@ fn promotion_schedules_give_the_same_bits() {
         "promote-drain1",
         "promote-drain4",
     ] {
-        let path = std::env::temp_dir().join(format!(
-            "fmoe_promotion_{}_{v}.bin",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("fmoe_promotion_{}_{v}.bin", std::process::id()));
         let status = Command::new(&exe)
             .args([TEST_NAME, "--exact", "--test-threads", "1", "--quiet"])
             .env(DEV_FP8_LARGE_ENV, v)
@@ -130,7 +131,11 @@ fn promotion_schedules_give_the_same_bits() {
     assert!(!d0.is_empty());
     for (v, d) in &dumps[1..] {
         assert_eq!(d.len(), d0.len(), "{v} vs {v0}: sizes");
-        let diff = d.chunks(4).zip(d0.chunks(4)).filter(|(a, b)| a != b).count();
+        let diff = d
+            .chunks(4)
+            .zip(d0.chunks(4))
+            .filter(|(a, b)| a != b)
+            .count();
         println!("{v} vs {v0}: {diff} of {} words differ", d.len() / 4);
         assert_eq!(diff, 0, "{v} vs {v0}");
     }

@@ -36,9 +36,11 @@
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
 //!   brings the 64-route kernels back there;
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
-//!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's two
-//!   128-row halves in turn into a 64-register partial and promotes it; setmaxnreg 40 / 232), A's
-//!   group scales carried in the stage by the loaders.
+//!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's four
+//!   64-row quarters into two 32-register partials in turn and promotes each while the next one
+//!   multiplies, bit-identical to the previous halves; setmaxnreg 40 / 232), A's group scales
+//!   carried in the stage by the loaders. H200: 1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`],
+//!   dev `promote-halves`) at M = 2048-16384 (BENCHMARKS.md, "block-scaled promotion").
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
