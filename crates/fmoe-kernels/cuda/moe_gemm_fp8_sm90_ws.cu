@@ -34,18 +34,22 @@
 //   the order of moe_gemm/cpu.rs. acc (128) + partial (64) do not fit the 168 registers of 384
 //   threads: setmaxnreg gives the loaders 40 and the MMA warpgroups 232 (the warpgroup that is
 //   promoting leaves the tensor cores to the other).
-//   PIPE_PROMOTE = p > 0 (1, 2 or 4): the partial is split into two 32-register quarters
-//   (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is issued before quarter q
-//   is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's own MMAs run under its
-//   promotion; same products, same fmaf, same order (bit-identical to PIPE_PROMOTE=0). ptxas
-//   serializes every wgmma (C7514) when a group is in flight across a loop's back edge, so the
-//   K loop takes p K blocks per iteration and drains once per iteration (the last quarter is
-//   promoted alone). The loaders bring A's group scales of the
-//   stage's K block (cp.async, 4 bytes per row, under the same arrival) into the stage; the MMA
-//   warps read the expert's four weight-block scales of the K block from global memory before
-//   waiting for the stage. A half whose 128 rows straddle two weight blocks (the up rows when
-//   N % 128 != 0) picks the scale per column; MODE 1's 128 output columns are one 1 x 128 group of
-//   h, whole in each thread's row, so the group quantization needs only quad shuffles.
+//   PIPE_PROMOTE = p > 0 (1, 2 or 4; the default variant: 2): the partial is split into two
+//   32-register quarters (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is
+//   issued before quarter q is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's
+//   own MMAs run under its promotion; same products, same fmaf, same order (bit-identical to
+//   PIPE_PROMOTE=0, tests/cuda_fp8_promotion.rs). ptxas serializes every wgmma (C7514) when a
+//   group is in flight across a loop's back edge, so the K loop takes p K blocks per iteration
+//   and drains once per iteration (the last quarter is promoted alone). H200 (BENCHMARKS.md,
+//   "promotion pipelined over 64-row quarters"): 1.03-1.08x the halves per layer at M >= 2048;
+//   ncu: the wgmma waits leave the stall samples, the wgmma issue (A re-read per quarter) and
+//   the promotion's issue slots stay, GEMM2 alone is ~4 % slower.
+//   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
+//   the same arrival) into the stage; the MMA warps read the expert's four weight-block scales of
+//   the K block from global memory before waiting for the stage. A half (or quarter) whose rows
+//   straddle two weight blocks (the up rows when N % 128 != 0) picks the scale per column (a
+//   quarter all in one block takes one scale per row); MODE 1's 128 output columns are one 1 x 128
+//   group of h, whole in each thread's row, so the group quantization needs only quad shuffles.
 //
 // Launch: grid (min(tiles, SMs), 1, 1) with tiles = ceil(n_out / (MODE 1 ? 128 : 256)) x
 // capacity / 128 x (MODE 1 ? 1 : splits), 384 threads, dynamic shared memory
