@@ -101,7 +101,7 @@ static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 // acc[32 q4 + i] += part[i] * its scale, part = quarter q4 (weight-tile columns 64 q4 ..; i = 4j + 2h
 // + qq: tile row r0 + 8h, column 64 (q4 & 1) + 8j + 2t + qq of its half); columns of the half below
 // thr take the scale of its first weight block (wlo), the others the next one's (whi). The same
-// products and fmaf as the 64-column promotion, so the sums are bit-identical.
+// scale products and fmaf as the halves' promotion (PIPE_PROMOTE=0), so the sums are bit-identical.
 __device__ __forceinline__ void promote_quarter(float* acc, const float* part, int q4, float sa0, float sa1, float wlo,
                                                 float whi, int thr, unsigned int t) {
     const int c0 = 64 * (q4 & 1);
