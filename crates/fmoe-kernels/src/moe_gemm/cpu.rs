@@ -367,3 +367,28 @@ pub(super) fn gemm2_weighted_sum(
     }
     Ok(Tensor::from_vec(y, [m, k], &Device::Cpu)?)
 }
+
+/// CPU twin of `moe_finalize.cu`: y[t, c] = Σ_j rows[t · top_k + j, c] for j ascending, in f32,
+/// routes whose id is ≥ `num_experts` left out (`rows` already widened from bf16, exactly).
+pub(crate) fn sum_route_rows(
+    rows: &[f32],
+    ids: &[u32],
+    num_experts: usize,
+    top_k: usize,
+    k: usize,
+) -> Vec<f32> {
+    let m = ids.len() / top_k.max(1);
+    let mut y = vec![0.0f32; m * k];
+    for (t, yt) in y.chunks_mut(k.max(1)).enumerate().take(m) {
+        for j in 0..top_k {
+            let r = t * top_k + j;
+            if ids[r] as usize >= num_experts {
+                continue;
+            }
+            for (acc, v) in yt.iter_mut().zip(&rows[r * k..(r + 1) * k]) {
+                *acc += v;
+            }
+        }
+    }
+    y
+}

@@ -296,6 +296,17 @@ pub(super) fn variants() -> Vec<KernelVariant> {
                 defines: cfg.defines(mode),
             });
         }
+        // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
+        if cfg.ws {
+            let mut defines = cfg.defines(2);
+            defines.push(("ROUTE_ROWS", "1".to_string()));
+            v.push(KernelVariant {
+                family,
+                source,
+                entry,
+                defines,
+            });
+        }
     }
     v
 }
