@@ -33,7 +33,7 @@ extern "C" __global__ void fmoe_moe_finalize(const uint4* __restrict__ rows, con
         for (unsigned int j = 0; j < top_k; ++j) {
             const unsigned long long r = t * top_k + j;
             if (ids[r] >= num_experts) continue;
-            const uint4 v = rows[r * k8 + ch];
+            const uint4 v = __ldcs(rows + r * k8 + ch);  // read once: streaming
             const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {

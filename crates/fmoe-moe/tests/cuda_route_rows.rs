@@ -1,5 +1,6 @@
 //! The fused MoE layer on CUDA with GEMM2's per-route rows forced on (the dev knob
-//! `FMOE_DEV_ROUTE_ROWS=on`, set before anything reads it: this binary holds one test), every
+//! `FMOE_DEV_ROUTE_ROWS=on`, set before anything reads it: this binary holds one test; run it with
+//! `FMOE_DEV_ROUTE_ROWS=cs` for the streaming-store variant), every
 //! method, against the f64 reference on fresh seeded random data with poisoned device
 //! allocations. The rule would pick the rows only where y32 outgrows L2 (tens of MB); the knob
 //! runs them at sizes a test can check on the CPU.
@@ -39,8 +40,14 @@ const CASES: &[Case] = &[
 
 #[test]
 fn route_rows_layers_match_the_f64_reference() {
-    // SAFETY: the only test of this binary, before any thread reads the environment.
-    unsafe { std::env::set_var(DEV_ROUTE_ROWS_ENV, "on") };
+    // "on" unless the run asks for another forced setting ("cs": streaming stores).
+    if !matches!(
+        std::env::var(DEV_ROUTE_ROWS_ENV).as_deref(),
+        Ok("on" | "cs")
+    ) {
+        // SAFETY: the only test of this binary, before any thread reads the environment.
+        unsafe { std::env::set_var(DEV_ROUTE_ROWS_ENV, "on") };
+    }
     let Some(b) = test_backend_or_skip() else {
         return;
     };
@@ -93,7 +100,7 @@ fn route_rows_layers_match_the_f64_reference() {
                 trace_launches(|| layer.forward_routed_deferred(&x, &topk).unwrap());
             check.check().unwrap();
             assert!(
-                launches.iter().any(|l| l.contains("ROUTE_ROWS=1"))
+                launches.iter().any(|l| l.contains("ROUTE_ROWS="))
                     && launches.iter().any(|l| l.starts_with("moe_finalize/")),
                 "{what}: the route-rows GEMM2 and its sum did not run: {launches:?}"
             );

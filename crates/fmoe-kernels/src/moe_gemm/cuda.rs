@@ -548,14 +548,16 @@ pub(super) fn variants() -> Vec<KernelVariant> {
     }
     // GEMM2 with per-route rows (the pipe kernel of SM90_LARGE) and their top-k sum.
     let (family, source) = SM90_LARGE.source();
-    let mut defines = SM90_LARGE.defines(2);
-    defines.push(("ROUTE_ROWS", "1".to_string()));
-    v.push(KernelVariant {
-        family,
-        source,
-        entry: GEMM_ENTRY,
-        defines,
-    });
+    for rows in ["1", "2"] {
+        let mut defines = SM90_LARGE.defines(2);
+        defines.push(("ROUTE_ROWS", rows.to_string()));
+        v.push(KernelVariant {
+            family,
+            source,
+            entry: GEMM_ENTRY,
+            defines,
+        });
+    }
     for out_f32 in ["0", "1"] {
         v.push(KernelVariant {
             family: FINALIZE_FAMILY,
@@ -878,7 +880,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     let (family, source) = cfg.source();
     let mut defines = cfg.defines(g.mode);
     if g.route_rows {
-        defines.push(("ROUTE_ROWS", "1".to_string()));
+        defines.push(route_rows_define());
     }
     let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &defines)?;
     let smem = cfg.smem_bytes();
@@ -1088,10 +1090,33 @@ pub enum Gemm2Sum {
     RouteRows,
 }
 
-/// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`] or
-/// [`Gemm2Sum::RouteRows`] (read once per process; not a user setting; unset or "auto" = the rule),
-/// so one binary can time both.
+/// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on|cs>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`]
+/// or [`Gemm2Sum::RouteRows`] (`cs`: with streaming stores of the rows, `-D ROUTE_ROWS=2`) (read
+/// once per process; not a user setting; unset or "auto" = the rule), so one binary can time them.
 pub const DEV_ROUTE_ROWS_ENV: &str = "FMOE_DEV_ROUTE_ROWS";
+
+/// The knob: `None` = the rule, `Some((on, streaming))` otherwise.
+fn dev_route_rows() -> Option<(bool, bool)> {
+    static DEV: std::sync::OnceLock<Option<(bool, bool)>> = std::sync::OnceLock::new();
+    *DEV.get_or_init(|| match std::env::var(DEV_ROUTE_ROWS_ENV).as_deref() {
+        Err(_) | Ok("auto") => None,
+        Ok("on") => Some((true, false)),
+        Ok("cs") => Some((true, true)),
+        Ok("off") => Some((false, false)),
+        Ok(v) => {
+            eprintln!(
+                "fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, cs, off; using auto"
+            );
+            None
+        }
+    })
+}
+
+/// The `ROUTE_ROWS` define of a route-rows GEMM2: "1" (plain stores), "2" with the `cs` knob.
+pub(super) fn route_rows_define() -> (&'static str, String) {
+    let streaming = dev_route_rows().is_some_and(|(_, cs)| cs);
+    ("ROUTE_ROWS", if streaming { "2" } else { "1" }.to_string())
+}
 
 /// The rule of [`Gemm2Sum::Auto`]: per-route rows when y32 (f32 [tokens, K]) does not fit in L2.
 /// Then every f32 reduction GEMM2 issues is a read-modify-write of DRAM (routes × K × 8 bytes);
@@ -1111,20 +1136,12 @@ pub(super) fn route_rows_chosen(
     out_dtype: DType,
     l2_bytes: usize,
 ) -> bool {
-    static DEV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let dev = *DEV.get_or_init(|| match std::env::var(DEV_ROUTE_ROWS_ENV).as_deref() {
-        Err(_) | Ok("auto") => None,
-        Ok("on") => Some(true),
-        Ok("off") => Some(false),
-        Ok(v) => {
-            eprintln!("fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
-            None
-        }
-    });
     let wanted = match sum {
         Gemm2Sum::Atomic => false,
         Gemm2Sum::RouteRows => true,
-        Gemm2Sum::Auto => dev.unwrap_or_else(|| route_rows_pay(tokens, k, l2_bytes)),
+        Gemm2Sum::Auto => {
+            dev_route_rows().map_or_else(|| route_rows_pay(tokens, k, l2_bytes), |(on, _)| on)
+        }
     };
     wanted
         && kernel_can

@@ -215,7 +215,7 @@ pub(super) fn launch(
     let (family, source, entry) = cfg.source();
     let mut defines = cfg.defines(g.mode);
     if g.route_rows {
-        defines.push(("ROUTE_ROWS", "1".to_string()));
+        defines.push(crate::moe_gemm::cuda::route_rows_define());
     }
     let f = nvrtc::load(backend, family, source, entry, &defines)?;
     let smem = cfg.smem_bytes();

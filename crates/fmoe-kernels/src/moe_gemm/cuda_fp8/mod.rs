@@ -297,9 +297,9 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             });
         }
         // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
-        if cfg.ws {
+        for rows in ["1", "2"].into_iter().filter(|_| cfg.ws) {
             let mut defines = cfg.defines(2);
-            defines.push(("ROUTE_ROWS", "1".to_string()));
+            defines.push(("ROUTE_ROWS", rows.to_string()));
             v.push(KernelVariant {
                 family,
                 source,
