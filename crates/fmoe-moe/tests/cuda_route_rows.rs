@@ -1,9 +1,8 @@
 //! The fused MoE layer on CUDA with GEMM2's per-route rows forced on (the dev knob
-//! `FMOE_DEV_ROUTE_ROWS=on`, set before anything reads it: this binary holds one test; run it with
-//! `FMOE_DEV_ROUTE_ROWS=cs` for the streaming-store variant), every
+//! `FMOE_DEV_ROUTE_ROWS=on`, set before anything reads it: this binary holds one test), every
 //! method, against the f64 reference on fresh seeded random data with poisoned device
-//! allocations. The rule would pick the rows only where y32 outgrows L2 (tens of MB); the knob
-//! runs them at sizes a test can check on the CPU.
+//! allocations. The rule picks the rows only for top-k ≥ 4 where y32 outgrows L2 (tens of MB); the
+//! knob runs them at sizes a test can check on the CPU, top-1 and top-2 included.
 //!
 //! Without a CUDA device the test prints "skipping: <reason>" and passes, unless
 //! `FMOE_REQUIRE_CUDA=1`, which turns a skip into a failure.
@@ -100,7 +99,7 @@ fn route_rows_layers_match_the_f64_reference() {
                 trace_launches(|| layer.forward_routed_deferred(&x, &topk).unwrap());
             check.check().unwrap();
             assert!(
-                launches.iter().any(|l| l.contains("ROUTE_ROWS="))
+                launches.iter().any(|l| l.contains("ROUTE_ROWS=1"))
                     && launches.iter().any(|l| l.starts_with("moe_finalize/")),
                 "{what}: the route-rows GEMM2 and its sum did not run: {launches:?}"
             );

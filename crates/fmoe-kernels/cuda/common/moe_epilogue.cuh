@@ -89,15 +89,8 @@ __device__ __forceinline__ void weighted_store_row(const float (&acc)[N / 2], co
         const __nv_bfloat162 v =
             __floats2bfloat162_rn(wt * (acc[4 * j + 2 * half] * scale), wt * (acc[4 * j + 2 * half + 1] * scale));
         if (EVEN_N || (c + 1 < n_out && (n_out & 1) == 0)) {
-            if (!EVEN_N || c < n_out) {
-#if ROUTE_ROWS == 2
-                // Streaming (evict-first): the rows are read once, by the top-k sum, and should not
-                // push the weight tiles and h the other blocks share out of L2.
-                __stcs(reinterpret_cast<__nv_bfloat162*>(row + c), v);
-#else
-                *reinterpret_cast<__nv_bfloat162*>(row + c) = v;
-#endif
-            }
+            // Plain stores: streaming (evict-first) ones measured the same on the H200.
+            if (!EVEN_N || c < n_out) *reinterpret_cast<__nv_bfloat162*>(row + c) = v;
         } else {
             if (c < n_out) row[c] = __low2bfloat16(v);
             if (c + 1 < n_out) row[c + 1] = __high2bfloat16(v);
@@ -106,9 +99,8 @@ __device__ __forceinline__ void weighted_store_row(const float (&acc)[N / 2], co
 }
 
 // GEMM2's output for route rt, by the compile-time switch ROUTE_ROWS: 0 adds the weighted row into
-// its token's f32 row of y32 [num_routes / top_k, n_out]; 1 (plain stores) or 2 (streaming stores)
-// stores it as the route's own bf16 row of the buffer y32 then points at (bf16 [num_routes, n_out];
-// the kernel signature stays the same).
+// its token's f32 row of y32 [num_routes / top_k, n_out]; 1 stores it as the route's own bf16 row of
+// the buffer y32 then points at (bf16 [num_routes, n_out]; the kernel signature stays the same).
 template <int N, bool EVEN_N>
 __device__ __forceinline__ void gemm2_row(const float (&acc)[N / 2], const int half, const unsigned int t,
                                           const float scale, const float wt, float* __restrict__ y32,

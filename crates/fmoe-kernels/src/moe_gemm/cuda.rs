@@ -3,7 +3,10 @@
 //!
 //! - fused ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): `cuda/moe_gemm_bf16.cu`, MODE 1 (GEMM1
 //!   with SiLU⊙mul in the epilogue, h in bf16) and MODE 2 (GEMM2 with the routing weight and the
-//!   top-k sum in the epilogue, f32 atomics into a zeroed y).
+//!   top-k sum in the epilogue, f32 atomics into a zeroed y). MODE 2 of the persistent 128-row
+//!   kernel (and of the fp8 warp-specialized ones) can instead store each route's weighted row as
+//!   bf16 (`-D ROUTE_ROWS=1`) for `cuda/moe_finalize.cu` to sum in fixed order straight into the
+//!   output dtype ([`sum_route_rows`]): by [`route_rows_pay`] (top-k ≥ 4 and y32 past L2).
 //! - portable ([`portable`]): the same grouped GEMM engine without fusion. Each GEMM is MODE 2 with
 //!   top_k = 1 and unit weights, which is a plain grouped GEMM into a zeroed f32 buffer
 //!   (`out[r, c] = a[r] · W_e(r)[c]`: one product per element, added to 0.0, exact), and the glue
@@ -548,16 +551,14 @@ pub(super) fn variants() -> Vec<KernelVariant> {
     }
     // GEMM2 with per-route rows (the pipe kernel of SM90_LARGE) and their top-k sum.
     let (family, source) = SM90_LARGE.source();
-    for rows in ["1", "2"] {
-        let mut defines = SM90_LARGE.defines(2);
-        defines.push(("ROUTE_ROWS", rows.to_string()));
-        v.push(KernelVariant {
-            family,
-            source,
-            entry: GEMM_ENTRY,
-            defines,
-        });
-    }
+    let mut defines = SM90_LARGE.defines(2);
+    defines.push(route_rows_define());
+    v.push(KernelVariant {
+        family,
+        source,
+        entry: GEMM_ENTRY,
+        defines,
+    });
     for out_f32 in ["0", "1"] {
         v.push(KernelVariant {
             family: FINALIZE_FAMILY,
@@ -1062,7 +1063,13 @@ pub(super) fn gemm2_weighted_sum(
     let (_, _, splits) = gemm_plan(&g, backend.multiprocessor_count() as usize);
     let kernel_can = matches!(rb.cfg.kind, GemmKind::Sm90Pipe { .. }) && splits == 1;
     if let Some(topk_ids) = topk_ids
-        && route_rows_chosen(sum, kernel_can, m, k, out_dtype, backend.l2_cache_bytes())
+        && route_rows_chosen(
+            sum,
+            kernel_can,
+            (m, top_k, k),
+            out_dtype,
+            backend.l2_cache_bytes(),
+        )
     {
         g.route_rows = true;
         let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;
@@ -1090,49 +1097,53 @@ pub enum Gemm2Sum {
     RouteRows,
 }
 
-/// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on|cs>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`]
-/// or [`Gemm2Sum::RouteRows`] (`cs`: with streaming stores of the rows, `-D ROUTE_ROWS=2`) (read
-/// once per process; not a user setting; unset or "auto" = the rule), so one binary can time them.
+/// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`] or
+/// [`Gemm2Sum::RouteRows`] (read once per process; not a user setting; unset or "auto" = the rule),
+/// so one binary can time and test both.
 pub const DEV_ROUTE_ROWS_ENV: &str = "FMOE_DEV_ROUTE_ROWS";
 
-/// The knob: `None` = the rule, `Some((on, streaming))` otherwise.
-fn dev_route_rows() -> Option<(bool, bool)> {
-    static DEV: std::sync::OnceLock<Option<(bool, bool)>> = std::sync::OnceLock::new();
+/// The knob: `None` = the rule.
+fn dev_route_rows() -> Option<bool> {
+    static DEV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
     *DEV.get_or_init(|| match std::env::var(DEV_ROUTE_ROWS_ENV).as_deref() {
         Err(_) | Ok("auto") => None,
-        Ok("on") => Some((true, false)),
-        Ok("cs") => Some((true, true)),
-        Ok("off") => Some((false, false)),
+        Ok("on") => Some(true),
+        Ok("off") => Some(false),
         Ok(v) => {
-            eprintln!(
-                "fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, cs, off; using auto"
-            );
+            eprintln!("fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
             None
         }
     })
 }
 
-/// The `ROUTE_ROWS` define of a route-rows GEMM2: "1" (plain stores), "2" with the `cs` knob.
+/// The define of a route-rows GEMM2 (`common/moe_epilogue.cuh` `gemm2_row`).
 pub(super) fn route_rows_define() -> (&'static str, String) {
-    let streaming = dev_route_rows().is_some_and(|(_, cs)| cs);
-    ("ROUTE_ROWS", if streaming { "2" } else { "1" }.to_string())
+    ("ROUTE_ROWS", "1".to_string())
 }
 
-/// The rule of [`Gemm2Sum::Auto`]: per-route rows when y32 (f32 [tokens, K]) does not fit in L2.
-/// Then every f32 reduction GEMM2 issues is a read-modify-write of DRAM (routes × K × 8 bytes);
-/// per-route bf16 rows cost routes × K × 4 bytes (stored once, read once by the sum) plus the
-/// output, and no zeroing of y32 nor cast. While y32 fits in L2 the reductions resolve there and the
-/// rows' extra DRAM traffic would not pay (H200, BENCHMARKS.md 2026-12-01: DeepSeek-V3 GEMM2 spends
-/// 18–19 % in the reductions at M = 4096 and 16384, y32 117 and 470 MB beside 50 MB of L2).
-pub fn route_rows_pay(tokens: usize, k: usize, l2_bytes: usize) -> bool {
-    tokens.saturating_mul(k).saturating_mul(4) > l2_bytes
+/// Top-k from which [`route_rows_pay`] picks per-route rows.
+pub const ROUTE_ROWS_MIN_TOP_K: usize = 4;
+
+/// The rule of [`Gemm2Sum::Auto`]: per-route rows for top-k ≥ [`ROUTE_ROWS_MIN_TOP_K`] when y32
+/// (f32 [tokens, K]) outgrows L2. Why (H200, BENCHMARKS.md 2026-12-01 "GEMM2 without the y32
+/// read-modify-write"): the rows take GEMM2's reductions out (ncu: DeepSeek-V3 bf16 M = 16384
+/// GEMM2 6.93 → 6.67 ms, fp8-block M = 8192 2.70 → 2.52) but their top-k sum reads routes × K × 2
+/// bytes where the cast read tokens × K × 4 (0.25 → 0.50 ms, at the DRAM rate). They pay where
+/// the reductions are costly: with top-8 a token's 8 routes add into one y32 row from blocks that
+/// run at once (DeepSeek-V3: the layer 1.01–1.04× faster at M = 2048–4096, 0.995–1.012× at
+/// 8192–16384); with top-2 they are a wash (Mixtral-8x7B 0.95–1.02×, in the run-to-run noise). While
+/// y32 fits in L2 the reductions resolve there, and the rows would only add DRAM traffic.
+pub fn route_rows_pay(tokens: usize, top_k: usize, k: usize, l2_bytes: usize) -> bool {
+    top_k >= ROUTE_ROWS_MIN_TOP_K && tokens.saturating_mul(k).saturating_mul(4) > l2_bytes
 }
 
+/// Whether GEMM2 writes per-route rows: as `sum` says (Auto: the knob, else [`route_rows_pay`]),
+/// and only where the kernel can (`kernel_can`: the persistent 128-row kernel with one K split),
+/// K % 8 == 0 (the sum's 16-byte chunks) and the output is bf16 or f32.
 pub(super) fn route_rows_chosen(
     sum: Gemm2Sum,
     kernel_can: bool,
-    tokens: usize,
-    k: usize,
+    (tokens, top_k, k): (usize, usize, usize),
     out_dtype: DType,
     l2_bytes: usize,
 ) -> bool {
@@ -1140,7 +1151,7 @@ pub(super) fn route_rows_chosen(
         Gemm2Sum::Atomic => false,
         Gemm2Sum::RouteRows => true,
         Gemm2Sum::Auto => {
-            dev_route_rows().map_or_else(|| route_rows_pay(tokens, k, l2_bytes), |(on, _)| on)
+            dev_route_rows().unwrap_or_else(|| route_rows_pay(tokens, top_k, k, l2_bytes))
         }
     };
     wanted
@@ -1445,6 +1456,61 @@ mod select_tests {
         );
         // Short reductions are never split.
         assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 2, 3, 132), 1);
+    }
+
+    #[test]
+    fn route_rows_rule_wants_top_k_4_and_y32_past_l2() {
+        let l2 = 50 << 20;
+        // DeepSeek-V3 (top-8, K = 7168): y32 is 59 MB at M = 2048, 29 MB at 1024.
+        assert!(route_rows_pay(2048, 8, 7168, l2));
+        assert!(!route_rows_pay(1024, 8, 7168, l2));
+        // Mixtral-8x7B (top-2): never, whatever y32's size.
+        assert!(!route_rows_pay(16384, 2, 4096, l2));
+        assert!(route_rows_pay(16384, ROUTE_ROWS_MIN_TOP_K, 4096, l2));
+        // Forced: only where the kernel can, K % 8 == 0 and bf16/f32 out.
+        let dims = (16, 2, 64);
+        assert!(route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::BF16,
+            l2
+        ));
+        assert!(route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::F32,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            false,
+            dims,
+            DType::BF16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::F16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            (16, 2, 60),
+            DType::BF16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::Atomic,
+            true,
+            dims,
+            DType::BF16,
+            l2
+        ));
     }
 
     #[test]

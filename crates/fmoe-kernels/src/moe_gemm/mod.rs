@@ -7,7 +7,8 @@
 //! in f32; per-tensor scales are applied once per dot product, block scales once per 128-wide K
 //! block (the promotion a tensor-core kernel performs).
 //!
-//! - `fused` ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): routes pre-sorted by expert
+//! - `fused` ([`gemm1_silu_mul`], [`gemm2_weighted_sum`], [`gemm2_weighted_sum_to`]): routes
+//!   pre-sorted by expert
 //!   ([`crate::moe_align`]); each thread takes a tile of one expert's weight rows, converts it to f32
 //!   once, and runs every route of that expert through it with SiLU⊙mul (GEMM1) or the routing
 //!   weight and top-k sum (GEMM2) applied in the epilogue. Weights are never dequantized as a whole.
@@ -16,6 +17,10 @@
 //!
 //! Activation quantization between the GEMMs (a2) belongs to the caller, so both families see the
 //! same quantized inputs.
+//!
+//! GEMM2's top-k sum on CUDA: f32 reductions into y32 (order unspecified) and a cast, or, at large
+//! batches with top-k ≥ 4 ([`route_rows_pay`]), per-route bf16 rows that [`sum_route_rows`]
+//! adds in fixed order (deterministic), rounding once to the output dtype.
 //!
 //! CUDA, both families, no host synchronization:
 //! - `cuda.rs`: bf16 activations and bf16 weights;

@@ -211,7 +211,13 @@ pub(crate) fn gemm2(
     let (_, _, splits) = plan(&g, backend.multiprocessor_count() as usize);
     let kernel_can = rb.cfg.ws && splits == 1;
     if let Some(topk_ids) = topk_ids
-        && route_rows_chosen(sum, kernel_can, m, k, out_dtype, backend.l2_cache_bytes())
+        && route_rows_chosen(
+            sum,
+            kernel_can,
+            (m, top_k, k),
+            out_dtype,
+            backend.l2_cache_bytes(),
+        )
     {
         g.route_rows = true;
         let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;

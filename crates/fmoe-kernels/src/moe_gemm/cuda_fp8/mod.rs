@@ -297,9 +297,9 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             });
         }
         // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
-        for rows in ["1", "2"].into_iter().filter(|_| cfg.ws) {
+        if cfg.ws {
             let mut defines = cfg.defines(2);
-            defines.push(("ROUTE_ROWS", rows.to_string()));
+            defines.push(super::cuda::route_rows_define());
             v.push(KernelVariant {
                 family,
                 source,
