@@ -76,7 +76,7 @@ __device__ __forceinline__ void weighted_add_row(const float (&acc)[N / 2], cons
 #define ROUTE_ROWS 0
 #endif
 
-// GEMM2, per-route rows: y_rows_row[c] = bf16(wt * (scale * acc)), plain stores (no route shares
+// GEMM2, per-route rows: row[c] = bf16(wt * (scale * acc)), plain stores (no route shares
 // the row, and the caller runs one K split); moe_finalize.cu sums a token's top_k rows.
 template <int N, bool EVEN_N>
 __device__ __forceinline__ void weighted_store_row(const float (&acc)[N / 2], const int half, const unsigned int t,

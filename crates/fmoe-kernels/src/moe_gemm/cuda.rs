@@ -286,7 +286,10 @@ fn mid_max_routes_per_expert() -> usize {
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200, BENCHMARKS.md "small-M layer"):
 /// at 64 the 64-row tiles are full on average, some experts already need two of them, and the
 /// small tiles' L2 traffic (a 64 × 128 tile per 64-wide K step) caps them below the DRAM rate
-/// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor).
+/// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor). Swept again for
+/// all three methods (BENCHMARKS.md 2026-12-01 "GEMM2 without the y32 read-modify-write"): 192 or
+/// 384 lose 1.23–2.15× wherever they move a batch to the 64-row tiles (DeepSeek-V3 at 128 routes per
+/// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
