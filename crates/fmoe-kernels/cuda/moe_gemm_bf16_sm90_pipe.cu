@@ -29,6 +29,9 @@
 // BENCHMARKS.md), probably because the faster tiles fall out of step with those that share their
 // weight tiles in L2.
 //
+// ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
+// weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
+//
 // Shared memory (dynamic): STAGES * (BM + WG_N) * BK * 2 bytes + 1024 for alignment.
 
 #include <cuda_bf16.h>
@@ -267,8 +270,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             silu_mul_row<CW_N, false>(acc, half, t4, 1.0f, h_out + (unsigned long long)rt * n_out,
                                tc.n_tile * (WG_N / 2) + cn * (CW_N / 2), n_out, 0);
 #else
-            weighted_add_row<CW_N, false>(acc, half, t4, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out,
-                                   tc.n_tile * WG_N + cn * CW_N, n_out);
+            gemm2_row<CW_N, false>(acc, half, t4, 1.0f, topk_weights[rt], y32, rt, top_k, tc.n_tile * WG_N + cn * CW_N,
+                                   n_out);
 #endif
         }
     }

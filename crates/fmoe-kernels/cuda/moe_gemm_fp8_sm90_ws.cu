@@ -51,6 +51,9 @@
 //   quarter all in one block takes one scale per row); MODE 1's 128 output columns are one 1 x 128
 //   group of h, whole in each thread's row, so the group quantization needs only quad shuffles.
 //
+// ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
+// weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
+//
 // Launch: grid (min(tiles, SMs), 1, 1) with tiles = ceil(n_out / (MODE 1 ? 128 : 256)) x
 // capacity / 128 x (MODE 1 ? 1 : splits), 384 threads, dynamic shared memory
 // STAGES * (128 + 256) * 128 + 1024 bytes.
@@ -504,7 +507,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         for (int h = 0; h < 2; ++h) {
             const unsigned int rt = sorted_routes[m0 + r0 + 8 * h];
             if (rt >= num_routes) continue;
-            weighted_add_row<NB, true>(acc, h, t, 1.0f, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+            gemm2_row<NB, true>(acc, h, t, 1.0f, topk_weights[rt], y32, rt, top_k, n0, n_out);
         }
 #else
         // Per-tensor scales, once per dot product.
@@ -516,7 +519,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #if MODE == 1
             hmax = silu_mul_row<NB, true>(acc, h, t, sc, h_out + (unsigned long long)rt * n_out, n0, n_out, hmax);
 #else
-            weighted_add_row<NB, true>(acc, h, t, sc, topk_weights[rt], y32 + (unsigned long long)(rt / top_k) * n_out, n0, n_out);
+            gemm2_row<NB, true>(acc, h, t, sc, topk_weights[rt], y32, rt, top_k, n0, n_out);
 #endif
         }
 #endif

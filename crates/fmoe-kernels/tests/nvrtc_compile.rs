@@ -184,6 +184,7 @@ fn catalog_covers_every_source_and_gemm_config() {
         "grouped_topk",
         "kv_append",
         "moe_align",
+        "moe_finalize",
         "moe_gemm_bf16",
         "moe_gemm_bf16_sm90",
         "moe_gemm_bf16_sm90_pipe",

@@ -10,7 +10,7 @@
 use fmoe_core::{Device, Tensor};
 use fmoe_kernels::elementwise;
 use fmoe_kernels::moe_align::align_routes;
-use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, ActScale, WeightOperand};
+use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, ActScale, Gemm2Sum, WeightOperand};
 use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 
@@ -92,8 +92,18 @@ pub fn run_experts_deferred(
                 &ops.a2_scale,
             )?;
             check.merge(c2);
-            // Finalize (routing weights, top-k sum) is fused into GEMM2.
-            moe_gemm::gemm2_weighted_sum(&a2, &routes, &topk.weights, &ops.w2)?
+            // Finalize (routing weights, top-k sum) is fused into GEMM2, which returns x's dtype:
+            // f32 reductions and a cast, or at large M per-route rows and their top-k sum
+            // (`moe_gemm::gemm2_weighted_sum_to`).
+            moe_gemm::gemm2_weighted_sum_to(
+                &a2,
+                &routes,
+                &topk.ids,
+                &topk.weights,
+                &ops.w2,
+                x.dtype(),
+                Gemm2Sum::Auto,
+            )?
         }
         KernelFamily::Portable => {
             let (y, c) = moe_gemm::portable_expert_loop_scaled_deferred(
@@ -109,6 +119,7 @@ pub fn run_experts_deferred(
             y
         }
     };
-    // f32 → x's dtype on the device (a cast kernel on CUDA, no host round trip).
+    // f32 → x's dtype on the device (a cast kernel on CUDA, no host round trip; a no-op for the
+    // fused path, whose y already has it).
     Ok((elementwise::to_dtype(&y, x.dtype())?, check))
 }

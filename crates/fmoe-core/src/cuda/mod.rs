@@ -54,6 +54,7 @@ pub struct CudaBackend {
     name: String,
     stream_ordered_pool: bool,
     multiprocessors: u32,
+    l2_bytes: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -90,6 +91,12 @@ impl CudaBackend {
     /// Streaming multiprocessors (132 on an H200): what launch heuristics (split-K) size waves by.
     pub fn multiprocessor_count(&self) -> u32 {
         self.multiprocessors
+    }
+
+    /// Bytes of L2 cache (50 MiB on an H200; 0 if the driver does not say): what launch rules
+    /// that trade DRAM traffic for L2 hits compare buffers against.
+    pub fn l2_cache_bytes(&self) -> usize {
+        self.l2_bytes
     }
 
     /// Whether allocations are stream-ordered from a memory pool that keeps freed blocks (see the
@@ -170,6 +177,9 @@ impl CudaBackend {
         let multiprocessors = context
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| unusable("querying the multiprocessor count", e))?;
+        let l2_bytes = context
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
+            .map_err(|e| unusable("querying the L2 cache size", e))?;
         let stream_ordered_pool = context.has_async_alloc();
         if stream_ordered_pool {
             keep_freed_memory_in_pool(&context)
@@ -186,6 +196,7 @@ impl CudaBackend {
             name,
             stream_ordered_pool,
             multiprocessors: u32::try_from(multiprocessors).unwrap_or(1).max(1),
+            l2_bytes: usize::try_from(l2_bytes).unwrap_or(0),
         };
         tracing::debug!(
             "CUDA backend cuda:{ordinal}: {} (sm_{major}{minor}), stream-ordered pool: {stream_ordered_pool}",

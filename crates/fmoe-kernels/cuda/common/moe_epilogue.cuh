@@ -72,4 +72,46 @@ __device__ __forceinline__ void weighted_add_row(const float (&acc)[N / 2], cons
     }
 }
 
+#ifndef ROUTE_ROWS
+#define ROUTE_ROWS 0
+#endif
+
+// GEMM2, per-route rows: row[c] = bf16(wt * (scale * acc)), plain stores (no route shares
+// the row, and the caller runs one K split); moe_finalize.cu sums a token's top_k rows.
+template <int N, bool EVEN_N>
+__device__ __forceinline__ void weighted_store_row(const float (&acc)[N / 2], const int half, const unsigned int t,
+                                                   const float scale, const float wt,
+                                                   __nv_bfloat16* __restrict__ row, const unsigned int c0,
+                                                   const unsigned int n_out) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+        const unsigned int c = c0 + j * 8 + 2 * t;
+        const __nv_bfloat162 v =
+            __floats2bfloat162_rn(wt * (acc[4 * j + 2 * half] * scale), wt * (acc[4 * j + 2 * half + 1] * scale));
+        if (EVEN_N || (c + 1 < n_out && (n_out & 1) == 0)) {
+            // Plain stores: streaming (evict-first) ones measured the same on the H200.
+            if (!EVEN_N || c < n_out) *reinterpret_cast<__nv_bfloat162*>(row + c) = v;
+        } else {
+            if (c < n_out) row[c] = __low2bfloat16(v);
+            if (c + 1 < n_out) row[c + 1] = __high2bfloat16(v);
+        }
+    }
+}
+
+// GEMM2's output for route rt, by the compile-time switch ROUTE_ROWS: 0 adds the weighted row into
+// its token's f32 row of y32 [num_routes / top_k, n_out]; 1 stores it as the route's own bf16 row of
+// the buffer y32 then points at (bf16 [num_routes, n_out]; the kernel signature stays the same).
+template <int N, bool EVEN_N>
+__device__ __forceinline__ void gemm2_row(const float (&acc)[N / 2], const int half, const unsigned int t,
+                                          const float scale, const float wt, float* __restrict__ y32,
+                                          const unsigned int rt, const unsigned int top_k, const unsigned int c0,
+                                          const unsigned int n_out) {
+#if ROUTE_ROWS
+    weighted_store_row<N, EVEN_N>(acc, half, t, scale, wt,
+                                  reinterpret_cast<__nv_bfloat16*>(y32) + (unsigned long long)rt * n_out, c0, n_out);
+#else
+    weighted_add_row<N, EVEN_N>(acc, half, t, scale, wt, y32 + (unsigned long long)(rt / top_k) * n_out, c0, n_out);
+#endif
+}
+
 #endif  // FMOE_COMMON_MOE_EPILOGUE_CUH

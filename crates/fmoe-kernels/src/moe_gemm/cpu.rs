@@ -367,3 +367,45 @@ pub(super) fn gemm2_weighted_sum(
     }
     Ok(Tensor::from_vec(y, [m, k], &Device::Cpu)?)
 }
+
+/// CPU twin of `moe_finalize.cu`: y[t, c] = Σ_j rows[t · top_k + j, c] for j ascending, in f32,
+/// routes whose id is ≥ `num_experts` left out (`rows` already widened from bf16, exactly).
+pub(crate) fn sum_route_rows(
+    rows: &[f32],
+    ids: &[u32],
+    num_experts: usize,
+    top_k: usize,
+    k: usize,
+) -> Vec<f32> {
+    let m = ids.len() / top_k.max(1);
+    let mut y = vec![0.0f32; m * k];
+    for (t, yt) in y.chunks_mut(k.max(1)).enumerate().take(m) {
+        for j in 0..top_k {
+            let r = t * top_k + j;
+            if ids[r] as usize >= num_experts {
+                continue;
+            }
+            for (acc, v) in yt.iter_mut().zip(&rows[r * k..(r + 1) * k]) {
+                *acc += v;
+            }
+        }
+    }
+    y
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sum_route_rows;
+
+    #[test]
+    fn sum_route_rows_adds_in_order_and_skips_dropped_routes() {
+        // Token 0: routes 0, 1 (expert 9 ≥ E = 4: dropped), 2; token 1: routes 3, 4, 5.
+        let rows = [
+            1.0, 2.0, 100.0, 100.0, 0.5, 0.25, -1.0, 1.0, 3.0, 3.0, 1e8, -1e8,
+        ];
+        let ids = [0, 9, 3, 1, 2, 2];
+        let y = sum_route_rows(&rows, &ids, 4, 3, 2);
+        // Column 1 of token 1: (1 + 3) + (-1e8) in f32 is -1e8 + 4 rounded, in j order.
+        assert_eq!(y, vec![1.5, 2.25, 2.0 + 1e8, (1.0f32 + 3.0) + -1e8]);
+    }
+}

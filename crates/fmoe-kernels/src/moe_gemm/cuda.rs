@@ -3,7 +3,10 @@
 //!
 //! - fused ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): `cuda/moe_gemm_bf16.cu`, MODE 1 (GEMM1
 //!   with SiLU⊙mul in the epilogue, h in bf16) and MODE 2 (GEMM2 with the routing weight and the
-//!   top-k sum in the epilogue, f32 atomics into a zeroed y).
+//!   top-k sum in the epilogue, f32 atomics into a zeroed y). MODE 2 of the persistent 128-row
+//!   kernel (and of the fp8 warp-specialized ones) can instead store each route's weighted row as
+//!   bf16 (`-D ROUTE_ROWS=1`) for `cuda/moe_finalize.cu` to sum in fixed order straight into the
+//!   output dtype ([`sum_route_rows`]): by [`route_rows_pay`] (top-k ≥ 4 and y32 past L2).
 //! - portable ([`portable`]): the same grouped GEMM engine without fusion. Each GEMM is MODE 2 with
 //!   top_k = 1 and unit weights, which is a plain grouped GEMM into a zeroed f32 buffer
 //!   (`out[r, c] = a[r] · W_e(r)[c]`: one product per element, added to 0.0, exact), and the glue
@@ -283,7 +286,10 @@ fn mid_max_routes_per_expert() -> usize {
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200, BENCHMARKS.md "small-M layer"):
 /// at 64 the 64-row tiles are full on average, some experts already need two of them, and the
 /// small tiles' L2 traffic (a 64 × 128 tile per 64-wide K step) caps them below the DRAM rate
-/// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor).
+/// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor). Swept again for
+/// all three methods (BENCHMARKS.md 2026-12-01 "GEMM2 without the y32 read-modify-write"): 192 or
+/// 384 lose 1.23–2.15× wherever they move a batch to the 64-row tiles (DeepSeek-V3 at 128 routes per
+/// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
@@ -498,6 +504,9 @@ const GEMM_SWAPAB_FAMILY: &str = "moe_gemm_bf16_swapab_sm90";
 /// The swap-AB source of both element types (the fp8 variants compile it as their own family).
 pub(super) const SWAPAB_SRC: &str = include_str!("../../cuda/moe_gemm_swapab_sm90.cu");
 const GEMM_ENTRY: &str = "fmoe_moe_gemm_bf16";
+const FINALIZE_FAMILY: &str = "moe_finalize";
+const FINALIZE_SRC: &str = include_str!("../../cuda/moe_finalize.cu");
+const FINALIZE_ENTRY: &str = "fmoe_moe_finalize";
 pub(super) const GLUE_FAMILY: &str = "moe_unfused";
 pub(super) const GLUE_SRC: &str = include_str!("../../cuda/moe_unfused.cu");
 
@@ -542,6 +551,24 @@ pub(super) fn variants() -> Vec<KernelVariant> {
                 defines: cfg.defines(mode),
             });
         }
+    }
+    // GEMM2 with per-route rows (the pipe kernel of SM90_LARGE) and their top-k sum.
+    let (family, source) = SM90_LARGE.source();
+    let mut defines = SM90_LARGE.defines(2);
+    defines.push(route_rows_define());
+    v.push(KernelVariant {
+        family,
+        source,
+        entry: GEMM_ENTRY,
+        defines,
+    });
+    for out_f32 in ["0", "1"] {
+        v.push(KernelVariant {
+            family: FINALIZE_FAMILY,
+            source: FINALIZE_SRC,
+            entry: FINALIZE_ENTRY,
+            defines: vec![("OUT_F32", out_f32.to_string())],
+        });
     }
     v.extend(GLUE_ENTRIES.map(|entry| KernelVariant {
         family: GLUE_FAMILY,
@@ -688,6 +715,9 @@ struct Gemm<'a> {
     n_out: usize,
     /// Experts (for the split-K heuristic).
     experts: usize,
+    /// MODE 2 with `-D ROUTE_ROWS=1`: `out` is bf16 [num_routes, n_out], one weighted row per
+    /// route (plain stores; needs one K split, see [`gemm_plan`]).
+    route_rows: bool,
 }
 
 /// Split-K factor of a grouped GEMM2 (the harness's `splits_for`): enough splits for about four
@@ -779,9 +809,33 @@ pub(super) fn gemm_grid(
     })
 }
 
+/// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
+/// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
+/// split GEMM2 by [`GemmConfig::splits`].
+fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
+    let cfg = g.routes.cfg;
+    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
+    let swap_ab = cfg.kind == GemmKind::SwapAb;
+    let blocks_m = if swap_ab {
+        swap_ab_blocks(cfg.bm, g.num_routes, g.experts, g.routes.slots)
+    } else {
+        g.routes.slots / cfg.bm
+    };
+    let splits = if g.mode == 2 && swap_ab {
+        let ktiles = g.kd.div_ceil(cfg.bk);
+        swap_ab_splits(cfg.smem_bytes() as usize, blocks_m * n_tiles, ktiles, sms)
+    } else if g.mode == 2 {
+        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
+    } else {
+        1
+    };
+    (blocks_m, n_tiles, splits)
+}
+
 /// MODE 1 writes `out` = h bf16 [num_routes, n_out]; MODE 2 adds into `out` = y32 f32
 /// [num_routes / top_k, n_out], which the caller zeroed (MODE 2 may split the reduction: each
-/// split adds its partial sum).
+/// split adds its partial sum), or with `route_rows` stores every route's weighted row into `out`
+/// = bf16 [num_routes, n_out] (one split).
 fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<()> {
     let cfg = g.routes.cfg;
     let blocks_m = g.routes.slots / cfg.bm;
@@ -800,23 +854,16 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
             ),
         ));
     }
-    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
     let sms = backend.multiprocessor_count() as usize;
-    let swap_ab = cfg.kind == GemmKind::SwapAb;
-    // Swap-AB: only the route blocks that can be busy, and the split that evens the waves.
-    let blocks_m = if swap_ab {
-        swap_ab_blocks(cfg.bm, g.num_routes, g.experts, g.routes.slots)
-    } else {
-        blocks_m
-    };
-    let splits = if g.mode == 2 && swap_ab {
-        let ktiles = g.kd.div_ceil(cfg.bk);
-        swap_ab_splits(cfg.smem_bytes() as usize, blocks_m * n_tiles, ktiles, sms)
-    } else if g.mode == 2 {
-        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
-    } else {
-        1
-    };
+    let (blocks_m, n_tiles, splits) = gemm_plan(g, sms);
+    if g.route_rows
+        && (g.mode != 2 || splits != 1 || !matches!(cfg.kind, GemmKind::Sm90Pipe { .. }))
+    {
+        return Err(Error::invalid(
+            op,
+            "internal: per-route GEMM2 rows need the pipe kernel, MODE 2 and one K split",
+        ));
+    }
     let GemmGrid {
         grid,
         num_routes,
@@ -835,7 +882,11 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         splits,
     )?;
     let (family, source) = cfg.source();
-    let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &cfg.defines(g.mode))?;
+    let mut defines = cfg.defines(g.mode);
+    if g.route_rows {
+        defines.push(route_rows_define());
+    }
+    let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
     // The tile space, as the pipe kernel takes it; the persistent one walks it with a block per SM.
@@ -967,22 +1018,29 @@ pub(super) fn gemm1_silu_mul(
         kd: k,
         n_out: n,
         experts: routes.num_experts,
+        route_rows: false,
     };
     launch_gemm(op, &g, &mut h)?;
     Ok(Tensor::from_storage(Storage::Cuda(h), [r, n])?)
 }
 
-/// GEMM2 with the routing weight and top-k sum: y f32 [M, K].
+/// GEMM2 with the routing weight and top-k sum: y [M, K] in `out_dtype`. Either f32 atomics into
+/// a zeroed y32, then the cast to `out_dtype` (F32: none), or, where `sum` and [`route_rows_pay`]
+/// say so and the kernel can (the pipe kernel, one K split, K % 8 == 0, bf16/f32 out), per-route
+/// bf16 rows summed by [`sum_route_rows`].
 pub(super) fn gemm2_weighted_sum(
     op: &'static str,
     h: &ActOperand,
     routes: &AlignedRoutes,
-    topk_weights: &Tensor,
+    topk: (Option<&Tensor>, &Tensor),
     w2: &WeightOperand,
+    out_dtype: DType,
+    sum: Gemm2Sum,
 ) -> Result<Tensor> {
     if cuda_fp8::is_fp8_act(h) || cuda_fp8::is_fp8_weight(w2) {
-        return cuda_fp8::gemm2(op, h, routes, topk_weights, w2);
+        return cuda_fp8::gemm2(op, h, routes, topk, w2, out_dtype, sum);
     }
+    let (topk_ids, topk_weights) = topk;
     let a = bf16_act(op, "a2", h)?;
     let w = bf16_weight(op, "w2", w2)?;
     let (hs, ws, device) = bf16_operands(op, a, w, "w2")?;
@@ -991,8 +1049,8 @@ pub(super) fn gemm2_weighted_sum(
     let weights = cuda_storage(op, "topk_weights", topk_weights, device)?;
     let (m, top_k) = (topk_weights.dims()[0], topk_weights.dims()[1]);
     let rb = route_buffers(op, routes, device)?;
-    let mut y = CudaStorage::zeros(hs.backend(), DType::F32, m * k)?;
-    let g = Gemm {
+    let backend = hs.backend();
+    let mut g = Gemm {
         mode: 2,
         a: hs,
         w: ws,
@@ -1003,9 +1061,169 @@ pub(super) fn gemm2_weighted_sum(
         kd: n,
         n_out: k,
         experts: routes.num_experts,
+        route_rows: false,
     };
+    let (_, _, splits) = gemm_plan(&g, backend.multiprocessor_count() as usize);
+    let kernel_can = matches!(rb.cfg.kind, GemmKind::Sm90Pipe { .. }) && splits == 1;
+    if let Some(topk_ids) = topk_ids
+        && route_rows_chosen(
+            sum,
+            kernel_can,
+            (m, top_k, k),
+            out_dtype,
+            backend.l2_cache_bytes(),
+        )
+    {
+        g.route_rows = true;
+        let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;
+        launch_gemm(op, &g, &mut rows)?;
+        let ids = cuda_storage(op, "topk_ids", topk_ids, device)?;
+        let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
+        return Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?);
+    }
+    let mut y = CudaStorage::zeros(backend, DType::F32, m * k)?;
     launch_gemm(op, &g, &mut y)?;
-    Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?)
+    let y = Tensor::from_storage(Storage::Cuda(y), [m, k])?;
+    crate::elementwise::to_dtype(&y, out_dtype)
+}
+
+/// How GEMM2 meets the top-k routes of a token (see [`super::gemm2_weighted_sum_to`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gemm2Sum {
+    /// [`route_rows_pay`] decides (or the dev knob [`DEV_ROUTE_ROWS_ENV`]).
+    Auto,
+    /// f32 reductions into y32 (the cast to the output dtype after).
+    Atomic,
+    /// Per-route bf16 rows and [`super::sum_route_rows`] wherever the kernel allows (the
+    /// persistent 128-row prefill GEMMs with one K split, K % 8 == 0, bf16/f32 out); elsewhere
+    /// [`Gemm2Sum::Atomic`].
+    RouteRows,
+}
+
+/// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`] or
+/// [`Gemm2Sum::RouteRows`] (read once per process; not a user setting; unset or "auto" = the rule),
+/// so one binary can time and test both.
+pub const DEV_ROUTE_ROWS_ENV: &str = "FMOE_DEV_ROUTE_ROWS";
+
+/// The knob: `None` = the rule.
+fn dev_route_rows() -> Option<bool> {
+    static DEV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *DEV.get_or_init(|| match std::env::var(DEV_ROUTE_ROWS_ENV).as_deref() {
+        Err(_) | Ok("auto") => None,
+        Ok("on") => Some(true),
+        Ok("off") => Some(false),
+        Ok(v) => {
+            eprintln!("fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
+            None
+        }
+    })
+}
+
+/// The define of a route-rows GEMM2 (`common/moe_epilogue.cuh` `gemm2_row`).
+pub(super) fn route_rows_define() -> (&'static str, String) {
+    ("ROUTE_ROWS", "1".to_string())
+}
+
+/// Top-k from which [`route_rows_pay`] picks per-route rows.
+pub const ROUTE_ROWS_MIN_TOP_K: usize = 4;
+
+/// The rule of [`Gemm2Sum::Auto`]: per-route rows for top-k ≥ [`ROUTE_ROWS_MIN_TOP_K`] when y32
+/// (f32 [tokens, K]) outgrows L2. Why (H200, BENCHMARKS.md 2026-12-01 "GEMM2 without the y32
+/// read-modify-write"): the rows take GEMM2's reductions out (ncu: DeepSeek-V3 bf16 M = 16384
+/// GEMM2 6.93 → 6.67 ms, fp8-block M = 8192 2.70 → 2.52) but their top-k sum reads routes × K × 2
+/// bytes where the cast read tokens × K × 4 (0.25 → 0.50 ms, at the DRAM rate). They pay where
+/// the reductions are costly: with top-8 a token's 8 routes add into one y32 row from blocks that
+/// run at once (DeepSeek-V3: the layer 1.01–1.04× faster at M = 2048–4096, 0.995–1.012× at
+/// 8192–16384); with top-2 they are a wash (Mixtral-8x7B 0.95–1.02×, in the run-to-run noise). While
+/// y32 fits in L2 the reductions resolve there, and the rows would only add DRAM traffic.
+pub fn route_rows_pay(tokens: usize, top_k: usize, k: usize, l2_bytes: usize) -> bool {
+    top_k >= ROUTE_ROWS_MIN_TOP_K && tokens.saturating_mul(k).saturating_mul(4) > l2_bytes
+}
+
+/// Whether GEMM2 writes per-route rows: as `sum` says (Auto: the knob, else [`route_rows_pay`]),
+/// and only where the kernel can (`kernel_can`: the persistent 128-row kernel with one K split),
+/// K % 8 == 0 (the sum's 16-byte chunks) and the output is bf16 or f32.
+pub(super) fn route_rows_chosen(
+    sum: Gemm2Sum,
+    kernel_can: bool,
+    (tokens, top_k, k): (usize, usize, usize),
+    out_dtype: DType,
+    l2_bytes: usize,
+) -> bool {
+    let wanted = match sum {
+        Gemm2Sum::Atomic => false,
+        Gemm2Sum::RouteRows => true,
+        Gemm2Sum::Auto => {
+            dev_route_rows().unwrap_or_else(|| route_rows_pay(tokens, top_k, k, l2_bytes))
+        }
+    };
+    wanted
+        && kernel_can
+        && k.is_multiple_of(K_MULTIPLE)
+        && matches!(out_dtype, DType::BF16 | DType::F32)
+}
+
+/// `moe_finalize.cu`: y [M, K] in `out_dtype` (bf16 or f32) = the top-k sum of `rows` (bf16
+/// [M · top_k, K]) in j order, routes with an expert id ≥ `num_experts` left out.
+pub(super) fn sum_route_rows(
+    op: &'static str,
+    rows: &CudaStorage,
+    ids: &CudaStorage,
+    num_experts: usize,
+    (m, top_k, k): (usize, usize, usize),
+    out_dtype: DType,
+) -> Result<CudaStorage> {
+    let backend = rows.backend();
+    let mut y = CudaStorage::alloc(backend, out_dtype, m * k)?;
+    let chunks = m * (k / K_MULTIPLE);
+    if chunks == 0 {
+        return Ok(y);
+    }
+    let out_f32 = match out_dtype {
+        DType::BF16 => "0",
+        DType::F32 => "1",
+        other => {
+            return Err(Error::invalid(
+                op,
+                format!("the top-k sum writes bf16 or f32, not {other:?}"),
+            ));
+        }
+    };
+    let f = nvrtc::load(
+        backend,
+        FINALIZE_FAMILY,
+        FINALIZE_SRC,
+        FINALIZE_ENTRY,
+        &[("OUT_F32", out_f32.to_string())],
+    )?;
+    let (chunks64, top_k32, k8, e32) = (
+        chunks as u64,
+        u32_arg(op, "top_k", top_k)?,
+        u32_arg(op, "K / 8", k / K_MULTIPLE)?,
+        u32_arg(op, "experts", num_experts)?,
+    );
+    let blocks = chunks
+        .div_ceil(GLUE_THREADS as usize)
+        .clamp(1, MAX_GRID_STRIDE_BLOCKS);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (GLUE_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let stream = backend.stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(rows.buffer())
+        .arg(ids.buffer())
+        .arg(y.buffer_mut()?)
+        .arg(&chunks64)
+        .arg(&top_k32)
+        .arg(&k8)
+        .arg(&e32);
+    // SAFETY: (const uint4*, const u32*, uint4* or float4*, u64, u32, u32, u32); rows holds
+    // M·top_k·K bf16 (K % 8 == 0, 256-byte aligned: 16-byte chunks), ids M·top_k u32 (the callers
+    // checked their dims), y M·K of out_dtype; the grid strides over the M·K/8 chunks.
+    unsafe { b.launch(cfg) }.map_err(|e| cuda_error("moe_finalize: launch", e))?;
+    Ok(y)
 }
 
 /// Launch shape of the glue kernels: one block per row (grid-stride over rows beyond the cap).
@@ -1082,6 +1300,7 @@ pub(super) fn portable(
         kd: k,
         n_out: 2 * n,
         experts: e,
+        route_rows: false,
     };
     launch_gemm(op, &g1, &mut gu)?;
 
@@ -1106,6 +1325,7 @@ pub(super) fn portable(
         kd: n,
         n_out: k,
         experts: e,
+        route_rows: false,
     };
     launch_gemm(op, &g2, &mut o)?;
 
@@ -1239,6 +1459,61 @@ mod select_tests {
         );
         // Short reductions are never split.
         assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 2, 3, 132), 1);
+    }
+
+    #[test]
+    fn route_rows_rule_wants_top_k_4_and_y32_past_l2() {
+        let l2 = 50 << 20;
+        // DeepSeek-V3 (top-8, K = 7168): y32 is 59 MB at M = 2048, 29 MB at 1024.
+        assert!(route_rows_pay(2048, 8, 7168, l2));
+        assert!(!route_rows_pay(1024, 8, 7168, l2));
+        // Mixtral-8x7B (top-2): never, whatever y32's size.
+        assert!(!route_rows_pay(16384, 2, 4096, l2));
+        assert!(route_rows_pay(16384, ROUTE_ROWS_MIN_TOP_K, 4096, l2));
+        // Forced: only where the kernel can, K % 8 == 0 and bf16/f32 out.
+        let dims = (16, 2, 64);
+        assert!(route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::BF16,
+            l2
+        ));
+        assert!(route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::F32,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            false,
+            dims,
+            DType::BF16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            dims,
+            DType::F16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::RouteRows,
+            true,
+            (16, 2, 60),
+            DType::BF16,
+            l2
+        ));
+        assert!(!route_rows_chosen(
+            Gemm2Sum::Atomic,
+            true,
+            dims,
+            DType::BF16,
+            l2
+        ));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! in f32; per-tensor scales are applied once per dot product, block scales once per 128-wide K
 //! block (the promotion a tensor-core kernel performs).
 //!
-//! - `fused` ([`gemm1_silu_mul`], [`gemm2_weighted_sum`]): routes pre-sorted by expert
+//! - `fused` ([`gemm1_silu_mul`], [`gemm2_weighted_sum`], [`gemm2_weighted_sum_to`]): routes
+//!   pre-sorted by expert
 //!   ([`crate::moe_align`]); each thread takes a tile of one expert's weight rows, converts it to f32
 //!   once, and runs every route of that expert through it with SiLU⊙mul (GEMM1) or the routing
 //!   weight and top-k sum (GEMM2) applied in the epilogue. Weights are never dequantized as a whole.
@@ -16,6 +17,10 @@
 //!
 //! Activation quantization between the GEMMs (a2) belongs to the caller, so both families see the
 //! same quantized inputs.
+//!
+//! GEMM2's top-k sum on CUDA: f32 reductions into y32 (order unspecified) and a cast, or, at large
+//! batches with top-k ≥ 4 ([`route_rows_pay`]), per-route bf16 rows that [`sum_route_rows`]
+//! adds in fixed order (deterministic), rounding once to the output dtype.
 //!
 //! CUDA, both families, no host synchronization:
 //! - `cuda.rs`: bf16 activations and bf16 weights;
@@ -36,9 +41,9 @@ pub(crate) mod simd;
 mod tma;
 
 pub use cuda::{
-    BM as CUDA_BLOCK_M, GemmConfig, GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE,
-    LARGE_TILE_ROUTES_PER_EXPERT, MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID,
-    SM90_SMALL, SM90_SWAPAB,
+    BM as CUDA_BLOCK_M, DEV_ROUTE_ROWS_ENV, Gemm2Sum, GemmConfig, GemmKind,
+    K_MULTIPLE as CUDA_K_MULTIPLE, LARGE_TILE_ROUTES_PER_EXPERT, MID_TILE_MAX_ROUTES_PER_EXPERT,
+    MMA, SM90_LARGE, SM90_MID, SM90_SMALL, SM90_SWAPAB, route_rows_pay,
 };
 pub use cuda_fp8::{
     DEV_FP8_LARGE_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_LARGE_HALVES, FP8_BLOCK_SCALED,
@@ -227,13 +232,36 @@ pub fn gemm2_weighted_sum(
     w2: &WeightOperand,
 ) -> Result<Tensor> {
     const OP: &str = "moe_gemm::gemm2_weighted_sum";
-    let (e, _k, n) = w2.dims(OP, "w2")?;
-    let rows = h.check(OP, "a2", n)?;
-    let dims = topk_weights.expect_rank(OP, "topk_weights", 2, "[tokens, top_k]")?;
-    topk_weights.expect_dtype(OP, "topk_weights", &[DType::F32])?;
+    check_gemm2(OP, h, routes, topk_weights, w2)?;
+    match h.storage() {
+        Storage::Cuda(_) => cuda::gemm2_weighted_sum(
+            OP,
+            h,
+            routes,
+            (None, topk_weights),
+            w2,
+            DType::F32,
+            Gemm2Sum::Atomic,
+        ),
+        Storage::Cpu(_) => cpu::gemm2_weighted_sum(h, routes, topk_weights, w2),
+    }
+}
+
+/// GEMM2's operand checks (shared by both entry points).
+fn check_gemm2(
+    op: &'static str,
+    h: &ActOperand,
+    routes: &AlignedRoutes,
+    topk_weights: &Tensor,
+    w2: &WeightOperand,
+) -> Result<()> {
+    let (e, _k, n) = w2.dims(op, "w2")?;
+    let rows = h.check(op, "a2", n)?;
+    let dims = topk_weights.expect_rank(op, "topk_weights", 2, "[tokens, top_k]")?;
+    topk_weights.expect_dtype(op, "topk_weights", &[DType::F32])?;
     if dims[0] * dims[1] != rows {
         return Err(Error::invalid(
-            OP,
+            op,
             format!(
                 "h has {rows} route rows but topk_weights {:?} describes {}",
                 dims,
@@ -241,10 +269,101 @@ pub fn gemm2_weighted_sum(
             ),
         ));
     }
-    check_routes(OP, routes, rows, e)?;
+    check_routes(op, routes, rows, e)
+}
+
+/// [`gemm2_weighted_sum`] with y in `out_dtype` (the layer's output dtype) and the top-k sum as
+/// `sum` says. CPU: [`gemm2_weighted_sum`], then the cast (so its numbers are the f32 path's).
+/// CUDA: either f32 reductions into y32 and the cast, or (bf16/f32 out, the persistent 128-row
+/// prefill GEMMs with one K split, K % 8 == 0; [`Gemm2Sum::Auto`]: when [`route_rows_pay`]) GEMM2
+/// stores each route's weighted row as bf16 and [`sum_route_rows`] adds a token's rows in fixed
+/// order, rounding once (deterministic; one more bf16 rounding per route than y32). `topk_ids` is
+/// u32 [M, top_k], the ids the routes were aligned from (a route whose id is out of range was
+/// dropped by the alignment and contributes nothing on either path).
+pub fn gemm2_weighted_sum_to(
+    h: &ActOperand,
+    routes: &AlignedRoutes,
+    topk_ids: &Tensor,
+    topk_weights: &Tensor,
+    w2: &WeightOperand,
+    out_dtype: DType,
+    sum: Gemm2Sum,
+) -> Result<Tensor> {
+    const OP: &str = "moe_gemm::gemm2_weighted_sum_to";
+    topk_ids.expect_dtype(OP, "topk_ids", &[DType::U32])?;
+    topk_ids.expect_dims(OP, "topk_ids", topk_weights.dims())?;
     match h.storage() {
-        Storage::Cuda(_) => cuda::gemm2_weighted_sum(OP, h, routes, topk_weights, w2),
-        Storage::Cpu(_) => cpu::gemm2_weighted_sum(h, routes, topk_weights, w2),
+        Storage::Cuda(_) => {
+            check_gemm2(OP, h, routes, topk_weights, w2)?;
+            cuda::gemm2_weighted_sum(
+                OP,
+                h,
+                routes,
+                (Some(topk_ids), topk_weights),
+                w2,
+                out_dtype,
+                sum,
+            )
+        }
+        Storage::Cpu(_) => {
+            let y = gemm2_weighted_sum(h, routes, topk_weights, w2)?;
+            crate::elementwise::to_dtype(&y, out_dtype)
+        }
+    }
+}
+
+/// The top-k sum of per-route rows: y[t, c] = Σ_j rows[t · top_k + j, c] over j = 0, 1, …, top_k − 1
+/// in that order, in f32, rounded once to `out_dtype` (bf16 or f32), skipping routes whose
+/// `topk_ids` entry is ≥ `num_experts`. `rows` is bf16 [M · top_k, K] (the route-rows GEMM2's
+/// output), `topk_ids` u32 [M, top_k]; y is [M, K] on their device. On CUDA K must be a multiple of
+/// 8. The CPU twin adds in the same order, so both give the same bits.
+pub fn sum_route_rows(
+    rows: &Tensor,
+    topk_ids: &Tensor,
+    num_experts: usize,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    const OP: &str = "moe_gemm::sum_route_rows";
+    let rd = rows.expect_rank(OP, "rows", 2, "[tokens * top_k, K]")?;
+    rows.expect_dtype(OP, "rows", &[DType::BF16])?;
+    let ids = topk_ids.expect_rank(OP, "topk_ids", 2, "[tokens, top_k]")?;
+    topk_ids.expect_dtype(OP, "topk_ids", &[DType::U32])?;
+    topk_ids.expect_device(OP, "topk_ids", rows.device())?;
+    let (m, top_k, k) = (ids[0], ids[1], rd[1]);
+    if rd[0] != m * top_k {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "rows has {} rows but topk_ids {ids:?} describes {}",
+                rd[0],
+                m * top_k
+            ),
+        ));
+    }
+    if !matches!(out_dtype, DType::BF16 | DType::F32) {
+        return Err(Error::invalid(
+            OP,
+            format!("the sum is written as bf16 or f32, not {out_dtype:?}"),
+        ));
+    }
+    match (rows.storage(), topk_ids.storage()) {
+        (Storage::Cuda(r), Storage::Cuda(i)) => {
+            if !k.is_multiple_of(CUDA_K_MULTIPLE) {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "K = {k} must be a multiple of {CUDA_K_MULTIPLE} on CUDA (16-byte chunks of bf16)"
+                    ),
+                ));
+            }
+            let y = cuda::sum_route_rows(OP, r, i, num_experts, (m, top_k, k), out_dtype)?;
+            Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?)
+        }
+        _ => {
+            let ids = topk_ids.cpu_slice::<u32>(OP, "topk_ids")?;
+            let y = cpu::sum_route_rows(&rows.to_f32_vec()?, ids, num_experts, top_k, k);
+            Ok(Tensor::from_f32(&y, [m, k], out_dtype, &Device::Cpu)?)
+        }
     }
 }
 

@@ -5,11 +5,12 @@ use fmoe_core::cuda::CudaStorage;
 use fmoe_core::{DType, Tensor};
 
 use super::Fp8Scheme;
-use super::launch::{Fp8Gemm, cuda_tensor, fp8_routes, launch, operands};
+use super::launch::{Fp8Gemm, cuda_tensor, fp8_routes, launch, operands, plan};
 use super::support::{act_kind, check_dims, unsupported};
 use crate::Result;
 use crate::launch::cuda_storage;
 use crate::moe_align::AlignedRoutes;
+use crate::moe_gemm::cuda::{Gemm2Sum, route_rows_chosen, sum_route_rows};
 use crate::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
 use crate::quant_fp8::{FiniteCheck, cuda as qcuda};
 
@@ -62,6 +63,7 @@ pub(crate) fn gemm1_quant(
         kd: k,
         n_out: n,
         experts: routes.num_experts,
+        route_rows: false,
     };
     let mut hq = CudaStorage::alloc(backend, DType::F8E4M3, r * n)?;
     match (scheme, a2_scale) {
@@ -166,18 +168,24 @@ pub(crate) fn gemm1_h(
         kd: k,
         n_out: n,
         experts: routes.num_experts,
+        route_rows: false,
     };
     launch(op, &g, Some(&mut h), None, None, None)?;
     cuda_tensor(h, &[r, n])
 }
 
-/// Fused GEMM2: y f32 [M, K] += routing weight · W2 h, the top-k sum through f32 atomics.
+/// Fused GEMM2: y [M, K] in `out_dtype` = Σ routing weight · W2 h over each token's routes:
+/// f32 atomics into a zeroed y32 and the cast, or (the warp-specialized kernels with one K split,
+/// as `sum` and the rule say: [`crate::moe_gemm::cuda::route_rows_pay`]) per-route bf16 rows and
+/// their top-k sum.
 pub(crate) fn gemm2(
     op: &'static str,
     h: &ActOperand,
     routes: &AlignedRoutes,
-    topk_weights: &Tensor,
+    (topk_ids, topk_weights): (Option<&Tensor>, &Tensor),
     w2: &WeightOperand,
+    out_dtype: DType,
+    sum: Gemm2Sum,
 ) -> Result<Tensor> {
     let (scheme, act, weight, device) = operands(op, h, "a2", w2, "w2")?;
     let d = w2.data().dims();
@@ -186,8 +194,8 @@ pub(crate) fn gemm2(
     let weights = cuda_storage(op, "topk_weights", topk_weights, device)?;
     let (m, top_k) = (topk_weights.dims()[0], topk_weights.dims()[1]);
     let rb = fp8_routes(op, routes, device, scheme)?;
-    let mut y = CudaStorage::zeros(act.q.backend(), DType::F32, m * k)?;
-    let g = Fp8Gemm {
+    let backend = act.q.backend();
+    let mut g = Fp8Gemm {
         mode: 2,
         act: &act,
         weight: &weight,
@@ -198,7 +206,27 @@ pub(crate) fn gemm2(
         kd: n,
         n_out: k,
         experts: routes.num_experts,
+        route_rows: false,
     };
+    let (_, _, splits) = plan(&g, backend.multiprocessor_count() as usize);
+    let kernel_can = rb.cfg.ws && splits == 1;
+    if let Some(topk_ids) = topk_ids
+        && route_rows_chosen(
+            sum,
+            kernel_can,
+            (m, top_k, k),
+            out_dtype,
+            backend.l2_cache_bytes(),
+        )
+    {
+        g.route_rows = true;
+        let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;
+        launch(op, &g, None, None, None, Some(&mut rows))?;
+        let ids = cuda_storage(op, "topk_ids", topk_ids, device)?;
+        let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
+        return cuda_tensor(y, &[m, k]);
+    }
+    let mut y = CudaStorage::zeros(backend, DType::F32, m * k)?;
     launch(op, &g, None, None, None, Some(&mut y))?;
-    cuda_tensor(y, &[m, k])
+    crate::elementwise::to_dtype(&cuda_tensor(y, &[m, k])?, out_dtype)
 }

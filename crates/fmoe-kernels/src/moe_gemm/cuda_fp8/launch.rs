@@ -72,7 +72,7 @@ pub(super) fn operands<'a>(
 
 /// Aligned routes' device buffers, with the variant their M tile belongs to.
 pub(super) struct Fp8Routes<'a> {
-    cfg: Fp8GemmConfig,
+    pub(super) cfg: Fp8GemmConfig,
     sorted: &'a CudaStorage,
     blocks: &'a CudaStorage,
     total: &'a CudaStorage,
@@ -119,13 +119,38 @@ pub(super) struct Fp8Gemm<'a> {
     /// Output columns (N for GEMM1, K for GEMM2; 2N for the portable path's GEMM1).
     pub(super) n_out: usize,
     pub(super) experts: usize,
+    /// MODE 2 with `-D ROUTE_ROWS=1` (warp-specialized kernels, one K split): `y32` is bf16
+    /// [num_routes, n_out], one weighted row per route.
+    pub(super) route_rows: bool,
+}
+
+/// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
+/// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
+/// split GEMM2 by [`Fp8GemmConfig::splits`].
+pub(super) fn plan(g: &Fp8Gemm<'_>, sms: usize) -> (usize, usize, usize) {
+    let cfg = g.routes.cfg;
+    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
+    let blocks_m = if cfg.swap_ab {
+        cfg.swap_ab_blocks(g.num_routes, g.experts, g.routes.slots)
+    } else {
+        g.routes.slots / cfg.bm
+    };
+    let splits = if g.mode == 2 && cfg.swap_ab {
+        cfg.swap_ab_splits(blocks_m * n_tiles, g.kd, sms)
+    } else if g.mode == 2 {
+        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
+    } else {
+        1
+    };
+    (blocks_m, n_tiles, splits)
 }
 
 /// Launches `g`. Outputs by mode and scheme:
 /// - MODE 1, per-tensor: `out` = h bf16 [R, n_out]; `word` = the amax word (or none);
 /// - MODE 1, block: `out` = codes [R, n_out], `out_scales` = f32 [R, ceil(n_out/128)], `word` = the
 ///   error flag (required);
-/// - MODE 2: `y32` = f32 [R / top_k, n_out], zeroed by the caller.
+/// - MODE 2: `y32` = f32 [R / top_k, n_out], zeroed by the caller; with `route_rows` bf16
+///   [R, n_out], every row written by the kernel.
 pub(super) fn launch(
     op: &'static str,
     g: &Fp8Gemm<'_>,
@@ -158,21 +183,14 @@ pub(super) fn launch(
             ),
         ));
     }
-    let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
-    let sms = backend.multiprocessor_count() as usize;
     // Swap-AB: only the route blocks that can be busy, and the split that evens the waves.
-    let blocks_m = if cfg.swap_ab {
-        cfg.swap_ab_blocks(g.num_routes, g.experts, g.routes.slots)
-    } else {
-        blocks_m
-    };
-    let splits = if g.mode == 2 && cfg.swap_ab {
-        cfg.swap_ab_splits(blocks_m * n_tiles, g.kd, sms)
-    } else if g.mode == 2 {
-        cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
-    } else {
-        1
-    };
+    let (blocks_m, n_tiles, splits) = plan(g, backend.multiprocessor_count() as usize);
+    if g.route_rows && (g.mode != 2 || splits != 1 || !cfg.ws) {
+        return Err(Error::invalid(
+            op,
+            "internal: per-route GEMM2 rows need a warp-specialized kernel, MODE 2 and one K split",
+        ));
+    }
     let GemmGrid {
         mut grid,
         num_routes,
@@ -195,7 +213,11 @@ pub(super) fn launch(
         grid = (grid.1, grid.0, grid.2);
     }
     let (family, source, entry) = cfg.source();
-    let f = nvrtc::load(backend, family, source, entry, &cfg.defines(g.mode))?;
+    let mut defines = cfg.defines(g.mode);
+    if g.route_rows {
+        defines.push(crate::moe_gemm::cuda::route_rows_define());
+    }
+    let f = nvrtc::load(backend, family, source, entry, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm fp8: shared memory opt-in")?;
     // The tile space; the warp-specialized kernels walk it with one persistent block per SM.
@@ -324,7 +346,7 @@ pub(super) fn launch(
     // or the pad; MODE 1's outputs hold num_routes rows (h bf16, or codes and group scales) and
     // its `word` is a live u32 (zeroed amax, or the error flag); MODE 2's topk_weights hold
     // num_routes f32 and y32 (num_routes / top_k)·n_out f32, zeroed since split-K and the top-k
-    // sum add into it; each mode's unused pointers are null and never dereferenced by that mode;
+    // sum add into it (ROUTE_ROWS: num_routes·n_out bf16, plain stores, one split); each mode's unused pointers are null and never dereferenced by that mode;
     // MODE 1 runs with gridDim.z = 1; the dynamic shared memory is the source's formula for these
     // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take five
     // more arguments, pushed above: the weights' tensor map over [E · rows, kd] codes, the tile

@@ -348,6 +348,17 @@ pub(super) fn variants() -> Vec<KernelVariant> {
                 defines: cfg.defines(mode),
             });
         }
+        // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
+        if cfg.ws {
+            let mut defines = cfg.defines(2);
+            defines.push(super::cuda::route_rows_define());
+            v.push(KernelVariant {
+                family,
+                source,
+                entry,
+                defines,
+            });
+        }
     }
     v
 }

@@ -121,6 +121,7 @@ pub(crate) fn portable(
         kd: k,
         n_out: 2 * n,
         experts: e,
+        route_rows: false,
     };
     launch(op, &g1, None, None, None, Some(&mut gu))?;
 
@@ -179,6 +180,7 @@ pub(crate) fn portable(
         kd: n,
         n_out: k,
         experts: e,
+        route_rows: false,
     };
     launch(op, &g2, None, None, None, Some(&mut o))?;
 
