@@ -15,7 +15,7 @@
 //! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`],
 //! [`SM90_LARGE`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
 //! the rule that picks one per batch, [`GemmConfig::select`]: on Hopper the swap-AB decode kernel
-//! below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average (as the fp8 GEMMs), the 64-route
+//! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there. Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
@@ -24,7 +24,7 @@ use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
-use super::cuda_fp8::{SWAPAB_ROUTES_PER_EXPERT, dev_swapab};
+use super::cuda_fp8::{swapab_route_block, swapab_stages, swapab_stages_for};
 use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
@@ -89,7 +89,7 @@ pub const MMA: GemmConfig = GemmConfig {
     raster_gm: 0,
 };
 
-/// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average: 256
+/// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average: 256
 /// weight rows × 16 routes per block, a 3-deep ring of 32 KiB weight stages (the fp8 kernels'
 /// bytes: 64 bf16 of K per stage instead of 128 e4m3), 103 KiB of shared memory, two blocks per
 /// SM. Only the route blocks that can be busy are launched; GEMM2's split-K evens the waves
@@ -105,9 +105,10 @@ pub const SM90_SWAPAB: GemmConfig = GemmConfig {
     raster_gm: 0,
 };
 
-/// [`SM90_SWAPAB`] with a ring of `stages`.
-const fn sm90_swapab(stages: usize) -> GemmConfig {
+/// [`SM90_SWAPAB`] with route blocks of `bn` (wgmma N, `-D BN`) and a ring of `stages`.
+pub const fn sm90_swapab(bn: usize, stages: usize) -> GemmConfig {
     GemmConfig {
+        bm: bn,
         stages,
         ..SM90_SWAPAB
     }
@@ -288,7 +289,7 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
-/// `FMOE_DEV_SWAPAB_ROUTES=<n>` replaces [`SWAPAB_ROUTES_PER_EXPERT`] in both select rules;
+/// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
 /// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor.
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
 pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
@@ -313,10 +314,11 @@ pub(super) fn large_tile_routes_per_expert() -> usize {
         .unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
 }
 
-/// [`SWAPAB_ROUTES_PER_EXPERT`], or the [`DEV_SWAPAB_ROUTES_ENV`] override.
-pub(super) fn swapab_routes_per_expert() -> usize {
+/// The [`DEV_SWAPAB_ROUTES_ENV`] override of the swap-AB range's upper end
+/// ([`SWAPAB_MID_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_MID_ROUTES_PER_EXPERT)).
+pub(super) fn swapab_routes_per_expert() -> Option<usize> {
     static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV).unwrap_or(SWAPAB_ROUTES_PER_EXPERT)
+    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV)
 }
 
 impl GemmConfig {
@@ -337,10 +339,8 @@ impl GemmConfig {
             return MMA;
         }
         let experts = experts.max(1);
-        if let Some(stages) = dev_swapab()
-            && num_routes < swapab_routes_per_expert() * experts
-        {
-            sm90_swapab(stages)
+        if let Some(bn) = swapab_route_block(None, num_routes, experts) {
+            sm90_swapab(bn, swapab_stages_for(bn))
         } else if num_routes < large_tile_routes_per_expert() * experts {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
@@ -370,11 +370,12 @@ impl GemmConfig {
         })
     }
 
-    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc` (16:
-    /// [`SM90_SWAPAB`], with the ring depth of [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
+    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc` (16
+    /// and 32: [`SM90_SWAPAB`]'s route blocks, with the ring depth of
+    /// [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
-        let swapab = sm90_swapab(dev_swapab().unwrap_or(SM90_SWAPAB.stages));
-        [swapab, SM90_SMALL, SM90_LARGE, MMA]
+        let swapab = |bn| sm90_swapab(bn, swapab_stages_for(bn));
+        [swapab(16), swapab(32), SM90_SMALL, SM90_LARGE, MMA]
             .into_iter()
             .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
             .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
@@ -454,6 +455,7 @@ impl GemmConfig {
             GemmKind::SwapAb => {
                 d.push(("ELEM_BF16", "1".to_string()));
                 d.push(("STAGES", self.stages.to_string()));
+                d.push(("BN", self.bm.to_string()));
             }
         }
         d
@@ -523,8 +525,10 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             _ => None,
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
-    for cfg in [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID]
+    let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
+    for cfg in [MMA, SM90_SMALL, SM90_MID]
         .into_iter()
+        .chain(swapabs)
         .chain(experiments)
         .chain(mids)
     {
@@ -659,7 +663,11 @@ fn route_buffers<'a>(
                 "routes are aligned to block_m = {}; the CUDA grouped GEMMs of this device take {} \
                  (their M tiles)",
                 routes.block_m,
-                if cc == (9, 0) { "16, 64 or 128" } else { "64" }
+                if cc == (9, 0) {
+                    "16, 32, 64 or 128"
+                } else {
+                    "64"
+                }
             ),
         ));
     };
@@ -1194,7 +1202,12 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 2, 8), SM90_SWAPAB); // Mixtral decode
         assert_eq!(GemmConfig::select(h, 8, 256), SM90_SWAPAB); // DeepSeek-V3 decode
         assert_eq!(GemmConfig::select(h, 16 * 8 - 1, 8), SM90_SWAPAB);
-        assert_eq!(GemmConfig::select(h, 16 * 8, 8), SM90_SMALL); // Mixtral, M = 64
+        // 16 to 24 routes per expert: 32-route blocks.
+        let swap32 = sm90_swapab(32, 3);
+        assert_eq!(GemmConfig::select(h, 16 * 8, 8), swap32); // Mixtral, M = 64
+        assert_eq!(GemmConfig::select(h, 24 * 8 - 1, 8), swap32);
+        assert_eq!(GemmConfig::select(h, 512 * 8, 256), swap32); // DeepSeek-V3, M = 512
+        assert_eq!(GemmConfig::select(h, 24 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
@@ -1226,9 +1239,15 @@ mod select_tests {
             [
                 ("MODE", "2".to_string()),
                 ("ELEM_BF16", "1".to_string()),
-                ("STAGES", "3".to_string())
+                ("STAGES", "3".to_string()),
+                ("BN", "16".to_string())
             ]
         );
+        // Larger route blocks: the same source with BN; 64 and 128 hold one block per SM.
+        let c128 = sm90_swapab(128, swapab_stages(128));
+        assert_eq!(c128.smem_bytes(), 4 * (256 + 128) * 128 + 1024);
+        assert_eq!(c128.defines(1)[3], ("BN", "128".to_string()));
+        assert_eq!(sm90_swapab(32, 3).smem_bytes(), 3 * (256 + 32) * 128 + 1024);
         // Mixtral M = 1: 2 routes in 2 of the 8 + 2 blocks of 16.
         assert_eq!(swap_ab_blocks(16, 2, 8, 16 * 10), 2);
         // Mixtral GEMM2 at M = 1: 2 blocks × 16 N tiles, 14336 / 64 = 224 K steps, 132 SMs with
@@ -1263,7 +1282,15 @@ mod select_tests {
         assert_eq!(GemmConfig::for_block_m((8, 9), 64), Some(MMA));
         assert_eq!(GemmConfig::for_block_m((8, 9), 128), None);
         assert_eq!(GemmConfig::for_block_m((8, 9), 16), None);
-        assert_eq!(GemmConfig::for_block_m((9, 0), 32), None);
+        assert_eq!(
+            GemmConfig::for_block_m((9, 0), 32),
+            Some(sm90_swapab(32, 3))
+        );
+        assert_eq!(GemmConfig::for_block_m((9, 0), 48), None);
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 32, 20 * 8, 8),
+            Some(sm90_swapab(32, 3))
+        );
         // Decode routes aligned to 16 run swap-AB; a larger batch aligned to 16 does too.
         assert_eq!(GemmConfig::for_routes((9, 0), 16, 2, 8), Some(SM90_SWAPAB));
         assert_eq!(
@@ -1288,6 +1315,10 @@ mod select_tests {
         // Shared memory stays within the 227 KiB a Hopper block may opt into.
         for cfg in [SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE, MMA] {
             assert!(cfg.smem_bytes() + 2048 <= 227 * 1024, "{cfg:?}");
+        }
+        for bn in super::super::SWAPAB_ROUTE_BLOCKS {
+            let cfg = sm90_swapab(bn, swapab_stages(bn));
+            assert!(cfg.smem_bytes() + 8192 <= 227 * 1024, "{cfg:?}");
         }
         // The dev experiments replace SM90_LARGE: same M tile, within the limit (static shared
         // memory of the warp-specialized kernel included), distinct names, "default" first.
