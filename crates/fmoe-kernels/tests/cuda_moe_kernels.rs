@@ -365,16 +365,15 @@ fn bf16_grouped_gemms_match_the_cpu_twin_at_every_m_tile() {
 }
 
 /// Smallest and largest M (up to `max_m`) at which the rule runs swap-AB route blocks of `bn`
-/// for `top_k` routes per token over `e` experts (`scheme`: fp8 scheme, `None` = bf16).
+/// for `top_k` routes per token over `e` experts (the same rule for every method).
 fn m_range_for_route_block(
-    scheme: Option<moe_gemm::Fp8Scheme>,
     bn: usize,
     top_k: usize,
     e: usize,
     max_m: usize,
 ) -> Option<(usize, usize)> {
     let ms: Vec<usize> = (1..=max_m)
-        .filter(|m| moe_gemm::swapab_route_block(scheme, m * top_k, e) == Some(bn))
+        .filter(|m| moe_gemm::swapab_route_block(m * top_k, e) == Some(bn))
         .collect();
     Some((*ms.first()?, *ms.last()?))
 }
@@ -403,11 +402,6 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
         (ActQuant::Fp8PerTensor, 272, 1040),
         (ActQuant::Fp8Group, 272, 1040),
     ] {
-        let scheme = match quant {
-            ActQuant::None => None,
-            ActQuant::Fp8PerTensor => Some(moe_gemm::Fp8Scheme::PerTensor),
-            _ => Some(moe_gemm::Fp8Scheme::Block),
-        };
         for e in [8usize, 1] {
             let w13f = randn(&mut rng, e * 2 * n * k, 1.0 / (k as f32).sqrt());
             let w2f = randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt());
@@ -437,7 +431,7 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
             };
             let (w13g, w2g) = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
             for bn in moe_gemm::SWAPAB_ROUTE_BLOCKS {
-                let Some((lo, hi)) = m_range_for_route_block(scheme, bn, top_k, e, 400) else {
+                let Some((lo, hi)) = m_range_for_route_block(bn, top_k, e, 400) else {
                     continue;
                 };
                 for m in BTreeSet::from([lo, hi]) {
@@ -496,14 +490,13 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
     }
     // Every route block the rule uses ran (16 and 32), or the one the dev knob forces (the device
     // script runs this test once per route block with FMOE_DEV_SWAPAB_BN and
-    // FMOE_DEV_SWAPAB_ROUTES set; fp8 stops at 64).
+    // FMOE_DEV_SWAPAB_ROUTES set).
     let forced: Option<usize> = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
         .ok()
         .and_then(|v| v.parse().ok());
     for q in ["None", "Fp8PerTensor", "Fp8Group"] {
         let blocks = match forced {
             None => vec![16, 32],
-            Some(bn) if q != "None" => vec![bn.min(64)],
             Some(bn) => vec![bn],
         };
         for bn in blocks {

@@ -15,7 +15,8 @@
 //! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`],
 //! [`SM90_LARGE`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
 //! the rule that picks one per batch, [`GemmConfig::select`]: on Hopper the swap-AB decode kernel
-//! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs), the 64-route
+//! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs; with
+//! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there. Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
@@ -290,7 +291,7 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
-/// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor.
+/// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor (swap-AB's too).
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
 pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
 pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
@@ -339,7 +340,7 @@ impl GemmConfig {
             return MMA;
         }
         let experts = experts.max(1);
-        if let Some(bn) = swapab_route_block(None, num_routes, experts) {
+        if let Some(bn) = swapab_route_block(num_routes, experts) {
             sm90_swapab(bn, swapab_stages_for(bn))
         } else if num_routes < large_tile_routes_per_expert() * experts {
             SM90_SMALL
@@ -404,8 +405,8 @@ impl GemmConfig {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
             GemmKind::Sm90Pipe { .. } => 384,
-            // Two MMA warpgroups and one loader warp.
-            GemmKind::SwapAb => 288,
+            // Two MMA warpgroups and one loader warp (a loader warpgroup from BN = 64 on).
+            GemmKind::SwapAb => super::cuda_fp8::swapab_threads(self.bm),
         }
     }
     /// Dynamic shared memory per block (the sources' formulas).
@@ -729,11 +730,28 @@ pub(super) fn swap_ab_blocks(bm: usize, num_routes: usize, experts: usize, slots
 /// Swap-AB GEMM2's split-K factor for `ctas` blocks (route blocks × N tiles) before splitting,
 /// over a reduction of `ktiles` K steps: the one (≤ a quarter of the K steps) that minimizes
 /// waves × K steps per block over `sms` SMs with as many blocks per SM as `smem_bytes` allows, the
-/// fewest splits on a tie (fewer partial sums into y).
-pub(super) fn swap_ab_splits(smem_bytes: usize, ctas: usize, ktiles: usize, sms: usize) -> usize {
+/// fewest splits on a tie (fewer partial sums into y). Route blocks of `bm` ≥ 32 (from 16 routes
+/// per expert on average) are never split once the grid fills a wave: there the cost model's
+/// gains are a fraction of a wave (the grid counts blocks that exit at once) while every split
+/// adds a partial sum of each output into y (H200, DeepSeek-V3 bf16 at M = 512, 32-route blocks:
+/// 4 splits 5.47 ms, none 5.41; 64-route blocks at M = 1024 split 8 ways: 7.37 ms, none 5.91).
+pub(super) fn swap_ab_splits(
+    smem_bytes: usize,
+    bm: usize,
+    ctas: usize,
+    ktiles: usize,
+    sms: usize,
+) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    if let Some(s) = dev_knob(&FORCED, DEV_SPLITS_ENV).filter(|&s| s > 0) {
+        return s;
+    }
     let ktiles = ktiles.max(1);
     let per_sm = (228 * 1024 / (smem_bytes + 1024)).max(1);
     let slots = (sms * per_sm).max(1);
+    if bm >= 32 && ctas >= slots {
+        return 1;
+    }
     let cost = |s: usize| (ctas * s).div_ceil(slots) * ktiles.div_ceil(s);
     (1..=(ktiles / 4).max(1))
         .min_by_key(|&s| (cost(s), s))
@@ -819,7 +837,13 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     };
     let splits = if g.mode == 2 && swap_ab {
         let ktiles = g.kd.div_ceil(cfg.bk);
-        swap_ab_splits(cfg.smem_bytes() as usize, blocks_m * n_tiles, ktiles, sms)
+        swap_ab_splits(
+            cfg.smem_bytes() as usize,
+            cfg.bm,
+            blocks_m * n_tiles,
+            ktiles,
+            sms,
+        )
     } else if g.mode == 2 {
         cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
     } else {
@@ -1202,12 +1226,12 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 2, 8), SM90_SWAPAB); // Mixtral decode
         assert_eq!(GemmConfig::select(h, 8, 256), SM90_SWAPAB); // DeepSeek-V3 decode
         assert_eq!(GemmConfig::select(h, 16 * 8 - 1, 8), SM90_SWAPAB);
-        // 16 to 24 routes per expert: 32-route blocks.
+        // 16 to 25 routes per expert: 32-route blocks.
         let swap32 = sm90_swapab(32, 3);
         assert_eq!(GemmConfig::select(h, 16 * 8, 8), swap32); // Mixtral, M = 64
-        assert_eq!(GemmConfig::select(h, 24 * 8 - 1, 8), swap32);
+        assert_eq!(GemmConfig::select(h, 25 * 8 - 1, 8), swap32);
         assert_eq!(GemmConfig::select(h, 512 * 8, 256), swap32); // DeepSeek-V3, M = 512
-        assert_eq!(GemmConfig::select(h, 24 * 8, 8), SM90_SMALL);
+        assert_eq!(GemmConfig::select(h, 25 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
@@ -1253,11 +1277,27 @@ mod select_tests {
         // Mixtral GEMM2 at M = 1: 2 blocks × 16 N tiles, 14336 / 64 = 224 K steps, 132 SMs with
         // two blocks each: 8 splits fill one wave of 256 blocks with 28 K steps each.
         assert_eq!(
-            swap_ab_splits(c.smem_bytes() as usize, 32, 14336 / 64, 132),
+            swap_ab_splits(c.smem_bytes() as usize, 16, 32, 14336 / 64, 132),
             8
         );
         // Short reductions are never split.
-        assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 2, 3, 132), 1);
+        assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 16, 2, 3, 132), 1);
+        // DeepSeek-V3 GEMM2 at M = 512 (bf16, 7168 outputs = 28 N tiles, 32 K steps): 16-route
+        // blocks keep the cost model's 4 splits, 32-route blocks (a grid of many waves) none; a
+        // small grid of 32-route blocks is still split.
+        let c32 = sm90_swapab(32, 3);
+        assert_eq!(
+            swap_ab_splits(c.smem_bytes() as usize, 16, 384 * 28, 32, 132),
+            4
+        );
+        assert_eq!(
+            swap_ab_splits(c32.smem_bytes() as usize, 32, 384 * 28, 32, 132),
+            1
+        );
+        assert_eq!(
+            swap_ab_splits(c32.smem_bytes() as usize, 32, 2 * 16, 224, 132),
+            8
+        );
     }
 
     #[test]

@@ -34,7 +34,9 @@
 //!   (m64n16k32), promoted per 128-wide K tile (block scales per route column and weight row);
 //!   same epilogues and outputs. Only the route blocks that can be busy are launched, and GEMM2's
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
-//!   brings the 64-route kernels back there;
+//!   brings the 64-route kernels back there; from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`] = 25
+//!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
+//!   GEMM2 unsplit once its grid fills a wave;
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
 //!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's two
 //!   128-row halves in turn into a 64-register partial and promotes it; setmaxnreg 40 / 232), A's
@@ -213,31 +215,26 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
 /// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16 and 32 run
-/// by the rule; 64 and 128 (bf16; fp8 at 128 would spill) only through [`DEV_SWAPAB_BN_ENV`].
+/// by the rule; 64 and 128 only through [`DEV_SWAPAB_BN_ENV`].
 pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 
 /// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
-/// swap-AB variants run with 32-route blocks: a block holds an expert's mean + 2 standard deviations
-/// of routes up to about 22-24 (mean m, deviation about sqrt(m)), so nearly every expert streams its
-/// weights once, with two blocks per SM. H200 (BENCHMARKS.md, "swap-AB with 32-route blocks"):
-/// DeepSeek-V3 at M = 512 (16 per expert) 1.07-1.13x faster than the 64-row tiles for every
-/// method; at 32 per expert (half the experts need two blocks) 1.10-1.13x slower. Larger blocks
-/// lose wherever they were measured (64: 1.17-1.77x, bf16 128: 1.6-2.0x slower than the tiles at
-/// 16-64 routes per expert, even with one block per expert): one block per SM (shared memory)
-/// with its MMA time per stage keeps too few weight bytes in flight.
-pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 24;
+/// swap-AB variants run with 32-route blocks: up to about 25 a block holds an expert's mean + 1.5
+/// standard deviations of routes (mean m, deviation about sqrt(m)), so nearly every expert streams
+/// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
+/// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
+/// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
+/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) win only
+/// DeepSeek-V3 fp8-block at 32 routes per expert (1.07x) and lose or tie elsewhere (up to 1.23x
+/// slower at 64 per expert than the 128-row tiles), so the rule does not use them.
+pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
-/// tile kernels run (`scheme`: the fp8 scheme, `None` for bf16; the rule is the same for all
-/// three): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
+/// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
 /// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
-/// [`DEV_SWAPAB_BN_ENV`] forces the block (fp8: at most 64), `FMOE_DEV_SWAPAB_ROUTES` moves the
+/// [`DEV_SWAPAB_BN_ENV`] forces the block, `FMOE_DEV_SWAPAB_ROUTES` moves the
 /// upper end of the range.
-pub fn swapab_route_block(
-    scheme: Option<Fp8Scheme>,
-    num_routes: usize,
-    experts: usize,
-) -> Option<usize> {
+pub fn swapab_route_block(num_routes: usize, experts: usize) -> Option<usize> {
     dev_swapab()?;
     let experts = experts.max(1);
     let upper = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
@@ -245,13 +242,19 @@ pub fn swapab_route_block(
         return None;
     }
     if let Some(bn) = dev_swapab_bn() {
-        return Some(if scheme.is_some() { bn.min(64) } else { bn });
+        return Some(bn);
     }
     Some(if num_routes < SWAPAB_ROUTES_PER_EXPERT * experts {
         16
     } else {
         32
     })
+}
+
+/// Threads of a swap-AB block with route block `bn`: two MMA warpgroups and one loader warp, a
+/// loader warpgroup from 64 routes on (the source's `NTHREADS`).
+pub const fn swapab_threads(bn: usize) -> u32 {
+    if bn >= 64 { 384 } else { 288 }
 }
 
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
@@ -271,7 +274,7 @@ pub const fn swapab_stages(bn: usize) -> usize {
 pub const DEV_SWAPAB_ENV: &str = "FMOE_DEV_SWAPAB";
 
 /// Dev-only: `FMOE_DEV_SWAPAB_BN=<16|32|64|128>` runs every swap-AB batch with that route block
-/// (fp8: at most 64; read once per process; not a user setting; an unknown value is reported and
+/// (read once per process; not a user setting; an unknown value is reported and
 /// ignored).
 pub const DEV_SWAPAB_BN_ENV: &str = "FMOE_DEV_SWAPAB_BN";
 
@@ -358,13 +361,15 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 11] = [
+pub(super) const ALL: [Fp8GemmConfig; 13] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
     Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages(32)),
     Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 32, swapab_stages(32)),
     Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 64, swapab_stages(64)),
     Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 64, swapab_stages(64)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 128, swapab_stages(128)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 128, swapab_stages(128)),
     FP8_TENSOR_SMALL,
     FP8_TENSOR_LARGE,
     FP8_TENSOR_SYNC,
@@ -392,7 +397,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        if let Some(bn) = swapab_route_block(Some(scheme), num_routes, experts) {
+        if let Some(bn) = swapab_route_block(num_routes, experts) {
             return Self::swap_ab(scheme, bn, swapab_stages_for(bn));
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
@@ -484,7 +489,7 @@ impl Fp8GemmConfig {
 
     pub const fn threads(&self) -> u32 {
         if self.swap_ab {
-            return 288;
+            return swapab_threads(self.bm);
         }
         match (self.ws, self.scheme) {
             (true, _) => 384,
@@ -578,7 +583,13 @@ impl Fp8GemmConfig {
     /// the one (≤ a quarter of the K tiles) that minimizes waves × K tiles per block over `sms` SMs with as many blocks per SM as shared memory holds, the
     /// fewest splits on a tie (fewer partial sums into y).
     pub fn swap_ab_splits(&self, ctas: usize, kd: usize, sms: usize) -> usize {
-        super::cuda::swap_ab_splits(self.smem_bytes() as usize, ctas, kd.div_ceil(128), sms)
+        super::cuda::swap_ab_splits(
+            self.smem_bytes() as usize,
+            self.bm,
+            ctas,
+            kd.div_ceil(128),
+            sms,
+        )
     }
 }
 
@@ -642,9 +653,9 @@ mod tests {
         for c in ALL {
             assert!(c.smem_bytes() <= 227 * 1024, "{c:?}");
             assert!(!c.promote || c.scheme == Fp8Scheme::Block || c.wg_n == 128 || c.swap_ab);
-            // Swap-AB: 16-64-route blocks of 256 weight rows, no other kernel's flags.
+            // Swap-AB: 16-128-route blocks of 256 weight rows, no other kernel's flags.
             assert!(
-                !c.swap_ab || ([16, 32, 64].contains(&c.bm) && c.wg_n == 256 && !c.ws),
+                !c.swap_ab || (SWAPAB_ROUTE_BLOCKS.contains(&c.bm) && c.wg_n == 256 && !c.ws),
                 "{c:?}"
             );
             // Warp-specialized: 128 × 256 tiles only.
@@ -703,6 +714,8 @@ mod tests {
         assert_eq!(c32.defines(1)[3], ("BN", "32".to_string()));
         let c64 = Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 64, swapab_stages(64));
         assert_eq!(c64.smem_bytes(), 5 * (256 + 64) * 128 + 1024);
+        // From 64 routes a loader warpgroup: 384 threads.
+        assert_eq!((c32.threads(), c64.threads()), (288, 384));
         let c = FP8_TENSOR_SWAPAB;
         // DeepSeek-V3 decode, M = 1: 8 routes on 8 of 256 experts, 8 + 256 · 15 slots.
         assert_eq!(c.swap_ab_blocks(8, 256, 8 + 256 * 15), 8);
@@ -730,7 +743,7 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 16 * 8 - 1, 8),
             FP8_TENSOR_SWAPAB
         );
-        // 16 to 24 routes per expert: 32-route blocks; from 24 the 64-row tiles.
+        // 16 to 25 routes per expert: 32-route blocks; from 25 the 64-row tiles.
         let swap32 = |scheme| Fp8GemmConfig::swap_ab(scheme, 32, 3);
         assert_eq!(
             Fp8GemmConfig::select(PerTensor, 16 * 8, 8),
@@ -738,12 +751,12 @@ mod tests {
         );
         assert_eq!(Fp8GemmConfig::select(Block, 16 * 8, 8), swap32(Block));
         assert_eq!(Fp8GemmConfig::select(Block, 512 * 8, 256), swap32(Block)); // DeepSeek-V3
-        assert_eq!(Fp8GemmConfig::select(Block, 24 * 8 - 1, 8), swap32(Block));
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8 - 1, 8), swap32(Block));
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 24 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, 25 * 8, 8),
             FP8_TENSOR_SMALL
         );
-        assert_eq!(Fp8GemmConfig::select(Block, 24 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), FP8_BLOCK_SCALED);
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), Some(swap32(Block)));
         // Routes aligned to 64 with a batch the rule gives the tiles: the tiles.
         assert_eq!(
