@@ -10,12 +10,19 @@
 //
 // Why: with 1-16 routes per expert a 64-route M tile makes the tensor cores do up to 64x the
 // useful work and a CTA holds one tile, so the weight stream runs well below DRAM speed. Here the
-// weights are the MMA's M operand and the routes its N: wgmma.m64n16k32.f32.e4m3.e4m3 (bf16:
-// m64n16k16.f32.bf16.bf16) with A = 64 weight rows and B = the BN = 16 routes of one expert's block
-// (moe_align with BLOCK_M = 16), the accumulator D[weight row, route] = the transposed output tile.
+// weights are the MMA's M operand and the routes its N: wgmma.m64nBNk32.f32.e4m3.e4m3 (bf16:
+// m64nBNk16.f32.bf16.bf16) with A = 64 weight rows and B = the BN routes of one expert's block
+// (moe_align with BLOCK_M = BN), the accumulator D[weight row, route] = the transposed output tile.
+// BN (-D BN) = 16 below 16 routes per expert on average, 32 from 16 to below 25 (the host rule,
+// moe_gemm/cuda_fp8/mod.rs: one block holds nearly every expert's routes there, two blocks per
+// SM); 64 and 128 (one block per SM, a loader warpgroup, bf16 keeping one wgmma group in flight,
+// fp8 at 128 one partial for both slabs and setmaxnreg 40 / 232) run through a dev knob only: on
+// the H200 they beat the tile kernels only for DeepSeek-V3 fp8-block at 32 routes per expert.
+// The BN = 16 CUBINs are byte-identical to those before BN existed.
 //
 // CTA: one 256-row weight tile x BN routes, the whole K range (MODE 1) or a split of it (MODE 2,
-// gridDim.z). 288 threads: warpgroups 0 and 1 multiply, warp 8 loads. Per 128-byte K step (BK =
+// gridDim.z). 288 threads (BN >= 64: 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps
+// 8-11) loads. Per 128-byte K step (BK =
 // 128 fp8 or 64 bf16 elements) the loader issues two TMA boxes of 128 weight rows x 128 bytes
 // (128-byte swizzle; w viewed as [E * w_rows, kd]) and gathers the BN activation rows with cp.async
 // (16 bytes each, zero-filled for padding routes and past kd), both completing on the stage's full
@@ -35,7 +42,8 @@
 // bf16: the 4 wgmma per slab and step accumulate straight into acc (products of bf16 are exact in
 // f32, as in moe_gemm_bf16_sm90.cu). Either way each step retires before its slot is released, so
 // all STAGES slots stay loading.
-// Accumulator layout: part[4j + 2h + q] = slab row 16 * (warp % 4) + g + 8h, route column 8j + 2t + q.
+// Accumulator layout (NACC = BN / 2 per slab): part[4j + 2h + q] = slab row 16 * (warp % 4) + g + 8h,
+// route column 8j + 2t + q, j < BN / 8.
 //
 // Epilogues (as the kernels replaced; bf16 = per-tensor with s = 1 and no amax): MODE 1 per-tensor h = bf16(silu(gate * s) * (up * s)),
 // s = a_scale * w_scale[e], into h_out [R, n_out], atomicMax of |h| bits into *h_amax (if not null);
@@ -47,7 +55,7 @@
 // MODE 1 block: n_out % 16 == 0. Routes
 // aligned by moe_align with BLOCK_M = BN. Launch: grid (route blocks, ceil(n_out / (MODE 1 ? 128 :
 // 256)), MODE 1 ? 1 : splits) (route blocks fastest, so the blocks of one expert run together and
-// share its weight tiles in L2), 288 threads, dynamic shared memory STAGES * (256 + BN) * 128 + 1024.
+// share its weight tiles in L2), NTHREADS threads, dynamic shared memory STAGES * (256 + BN) * 128 + 1024.
 
 #include <cuda_bf16.h>
 
@@ -70,7 +78,17 @@
 #ifndef ELEM_BF16
 #define ELEM_BF16 0
 #endif
-#define BN 16    // routes per tile (wgmma N)
+#ifndef BN
+#define BN 16    // routes per tile (wgmma N): 16, 32, 64 or 128
+#endif
+#define NACC (BN / 2)  // accumulators per thread and 64-row slab (wgmma m64nBN)
+#define NJ (BN / 8)    // 8-route column groups per slab
+// fp8 partials: one per slab, or at BN = 128 one shared by both slabs in turn (2 x 64 accumulators
+// + 2 x 64 partials would pass the 168 registers a thread may hold with 3 warps per SM sub-partition).
+#define PARTS (BN >= 128 ? 1 : 2)
+// fp8 at BN = 128: acc (128) + partial (64) pass the 168 registers of 384 threads; the loader
+// warpgroup gives its registers to the MMA warpgroups (40 / 232, as moe_gemm_fp8_sm90_ws.cu).
+#define SETMAXNREG (!ELEM_BF16 && BN >= 128)
 #define ROW_BYTES 128  // of K per row and stage: one 128-byte swizzle row
 #if ELEM_BF16
 typedef __nv_bfloat16 elem_t;
@@ -84,13 +102,35 @@ typedef unsigned char elem_t;
 #define W_BYTES (ROWS * ROW_BYTES)
 #define B_BYTES (BN * ROW_BYTES)
 #define SLAB_BYTES (64 * ROW_BYTES)
-#define NTHREADS 288
+// Loader warps: one up to BN = 32; a warpgroup from 64 on, so the BN * 8 activation copies per
+// stage are issued by 128 threads instead of 32 (288 or 384 threads: 3 warps per SM sub-partition
+// either way, so the same 168 registers per thread).
+#define LOADER_WARPS (BN >= 64 ? 4 : 1)
+#define LOADERS (32 * LOADER_WARPS)
+#define NTHREADS (256 + LOADERS)
 #define NO_ROW 0xFFFFFFFFu
 
 static_assert(STAGES >= 2, "one stage in the tensor cores, one loading");
 static_assert(BK * sizeof(elem_t) == ROW_BYTES, "one swizzle row per K step");
 static_assert(!(ELEM_BF16 && BLOCK_SCALED), "block scales are fp8 only");
 static_assert(B_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "wgmma N of the route block");
+static_assert(BN * 8 % LOADERS == 0, "whole 16-byte chunks per loader thread");
+
+// The route block's MMA: D[64 weight rows x BN routes] (+)= A * B^T.
+#if BN == 16
+#define WGMMA_BF16 wgmma_m64n16k16_bf16
+#define WGMMA_E4M3 wgmma_m64n16k32_e4m3
+#elif BN == 32
+#define WGMMA_BF16 wgmma_m64n32k16_bf16
+#define WGMMA_E4M3 wgmma_m64n32k32_e4m3
+#elif BN == 64
+#define WGMMA_BF16 wgmma_m64n64k16_bf16
+#define WGMMA_E4M3 wgmma_m64n64k32_e4m3
+#else
+#define WGMMA_BF16 wgmma_m64n128k16_bf16
+#define WGMMA_E4M3 wgmma_m64n128k32_e4m3
+#endif
 
 // The 256 consumer threads only (the loader warp has left): bar.sync with a count.
 __device__ __forceinline__ void mma_threads_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
@@ -167,39 +207,49 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(full0 + 8 * s, 32 + 1);  // the loader lanes' copies + the TMA issue
+            mbar_init(full0 + 8 * s, LOADERS + 1);  // the loader threads' copies + the TMA issue
             mbar_init(empty0 + 8 * s, 8);      // one arrival per MMA warp
         }
     }
     __syncthreads();
 
+#if LOADER_WARPS == 1
     if (warp == 8) {
-        // Loader warp.
+        const unsigned int lt = lane;  // the loader warp
+#else
+    if (warp >= 8) {
+        const unsigned int lt = tid - 256;  // the loader warpgroup
+#endif
+#if SETMAXNREG
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+#endif
         const int row0 = (int)(e * w_rows);
         for (unsigned int kt = 0; kt < ktiles; ++kt) {
             const unsigned int s = kt % STAGES, full_s = full0 + 8 * s;
             // Slot s last held tile kt - STAGES: wait until the MMA warps released it.
             if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) - 1) & 1);
             const unsigned int k0 = (kb0 + kt) * BK, sb = bring + s * B_BYTES;
-            if (lane == 0) {
+            if (lt == 0) {
                 mbar_arrive_expect_tx(full_s, W_BYTES);
                 const unsigned int sw = wring + s * W_BYTES;
                 tma_load_2d(sw, &b_map, (int)k0, row0 + (int)half0, full_s);
                 tma_load_2d(sw + HALF_BYTES, &b_map, (int)k0, row0 + (int)half1, full_s);
             }
 #pragma unroll
-            for (int i = 0; i < BN * 8 / 32; ++i) {
-                const unsigned int c = lane + i * 32, r = c >> 3, ch = c & 7, col = k0 + ch * (16 / sizeof(elem_t));
+            for (int i = 0; i < BN * 8 / LOADERS; ++i) {
+                const unsigned int c = lt + i * LOADERS, r = c >> 3, ch = c & 7, col = k0 + ch * (16 / sizeof(elem_t));
                 const unsigned int row = a_row[r];
                 const bool ok = row != NO_ROW && col < kd;
                 cp_async16(sb + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
             }
 #if BLOCK_SCALED
-            if (lane < BN) {
-                const unsigned int row = a_row[lane];
+#pragma unroll
+            for (unsigned int c = lt; c < BN; c += LOADERS) {
+                const unsigned int row = a_row[c];
                 const bool ok = row != NO_ROW;
-                cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][lane])),
+                cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][c])),
                           a_scale + (ok ? (unsigned long long)row * kblocks + kb0 + kt : 0), ok);
+                if (BN <= LOADERS) break;
             }
 #endif
             cp_async_mbar_arrive(full_s);
@@ -208,16 +258,19 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     }
 
     // MMA warpgroups: slabs wg (tile rows 64 wg ..) and 2 + wg (tile rows 128 + 64 wg ..).
+#if SETMAXNREG
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+#endif
     const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
 #if ELEM_BF16
-    float acc[2][8];
+    float acc[2][NACC];
 #else
-    float acc[2][8], part[2][8];
+    float acc[2][NACC], part[PARTS][NACC];
 #endif
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int v = 0; v < 8; ++v) acc[i][v] = 0.0f;
+        for (int v = 0; v < NACC; ++v) acc[i][v] = 0.0f;
     }
 
 #if BLOCK_SCALED
@@ -253,40 +306,30 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #if ELEM_BF16
         // 16 bf16 along K = 32 bytes = 2 descriptor units.
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) wgmma_m64n16k16_bf16(acc[0], da0 + 2 * ks, db + 2 * ks, 1);
+        for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[0], da0 + 2 * ks, db + 2 * ks, 1);
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) wgmma_m64n16k16_bf16(acc[1], da1 + 2 * ks, db + 2 * ks, 1);
+        for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[1], da1 + 2 * ks, db + 2 * ks, 1);
         wgmma_commit();
+#if BN >= 64
+        // The previous stage's group retired: its slot goes back to the loader while this one's
+        // MMAs run (the accumulators chain across groups; read only after the loop's wait).
+        wgmma_wait<1>();
+        if (kt > 0) warp_arrive(empty0 + 8 * ((kt - 1) % STAGES), lane);
+#else
         wgmma_wait<0>();
-        wgmma_fence_operands<8>(acc[0]);
-        wgmma_fence_operands<8>(acc[1]);
+        wgmma_fence_operands<NACC>(acc[0]);
+        wgmma_fence_operands<NACC>(acc[1]);
         // The stage's wgmma retired: the slot goes back to the loader.
         warp_arrive(empty0 + 8 * s, lane);
-#else
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks)
-            // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
-            wgmma_m64n16k32_e4m3(part[0], da0 + 2 * ks, db + 2 * ks, ks > 0);
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) wgmma_m64n16k32_e4m3(part[1], da1 + 2 * ks, db + 2 * ks, ks > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands<8>(part[0]);
-        wgmma_fence_operands<8>(part[1]);
-#if BLOCK_SCALED
-        float sa[2][2];  // [j][q]: the group scale of route column 8j + 2t + q
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) sa[j][q] = a_sc[s][8 * j + 2 * t + q];
-        }
 #endif
-        // The stage's wgmma retired and its scales read: the slot goes back to the loader.
-        warp_arrive(empty0 + 8 * s, lane);
+#else
+#if BLOCK_SCALED && PARTS == 2
+        float sa[NJ][2];  // [j][q]: the group scale of route column 8j + 2t + q
+#endif
+        // Promotes part[p] (slab i's sums of this K step) into acc[i].
+        auto promote = [&](const int i, const int p) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
+            for (int j = 0; j < NJ; ++j) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
 #pragma unroll
@@ -294,26 +337,76 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                         const int v = 4 * j + 2 * h + q;
 #if BLOCK_SCALED
                         const float ws = i ? (h ? w11 : w10) : (h ? w01 : w00);
-                        acc[i][v] = fmaf(part[i][v], sa[j][q] * ws, acc[i][v]);
+#if PARTS == 2
+                        acc[i][v] = fmaf(part[p][v], sa[j][q] * ws, acc[i][v]);
 #else
-                        acc[i][v] += part[i][v];
+                        // Read here, not held: 32 registers the BN = 128 promotion does not have
+                        // (the slot stays this stage's until both slabs are promoted).
+                        acc[i][v] = fmaf(part[p][v], a_sc[s][8 * j + 2 * t + q] * ws, acc[i][v]);
+#endif
+#else
+                        acc[i][v] += part[p][v];
 #endif
                     }
                 }
             }
+        };
+        // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da0 + 2 * ks, db + 2 * ks, ks > 0);
+#if PARTS == 2
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[1], da1 + 2 * ks, db + 2 * ks, ks > 0);
+#endif
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands<NACC>(part[0]);
+#if PARTS == 2
+        wgmma_fence_operands<NACC>(part[1]);
+#endif
+#if BLOCK_SCALED && PARTS == 2
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) sa[j][q] = a_sc[s][8 * j + 2 * t + q];
         }
+#endif
+#if PARTS == 2
+        // The stage's wgmma retired and its scales read: the slot goes back to the loader.
+        warp_arrive(empty0 + 8 * s, lane);
+        promote(0, 0);
+        promote(1, 1);
+#else
+        // One partial: slab 0's sums are promoted before slab 1 reuses it.
+        promote(0, 0);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da1 + 2 * ks, db + 2 * ks, ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operands<NACC>(part[0]);
+        promote(1, 0);
+        // Both slabs promoted, the stage's group scales read: the slot goes back to the loader.
+        warp_arrive(empty0 + 8 * s, lane);
+#endif
 #endif  // ELEM_BF16
     }
+#if ELEM_BF16 && BN >= 64
+    // The last stage's group (its slot is not needed again: the loader is done).
+    wgmma_wait<0>();
+    wgmma_fence_operands<NACC>(acc[0]);
+    wgmma_fence_operands<NACC>(acc[1]);
+#endif
 
 #if MODE == 1 && BLOCK_SCALED
     // h = silu(gate) * up at output column n0 + 64 wg + rr + 8h of route column 8j + 2t + q; then the
     // 1 x 128 group quantization of each route's 128 columns: max over h, the 8 row lanes g, the 8
     // MMA warps.
     __shared__ unsigned int red[8][BN];
-    float hv[8];
-    unsigned int m[2][2] = {{0u, 0u}, {0u, 0u}};
+    float hv[NACC];
+    unsigned int m[NJ][2] = {};
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NJ; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const unsigned int n = n0 + 64 * wg + rr + 8 * h;
@@ -326,7 +419,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NJ; ++j) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
 #pragma unroll
@@ -337,7 +430,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     mma_threads_sync();
     const unsigned int groups = (n_out + 127) / 128;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NJ; ++j) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const unsigned int col = 8 * j + 2 * t + q, rt = route[col];
@@ -368,7 +461,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     unsigned int hmax = 0;  // bits of max |h|
 #endif
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NJ; ++j) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const unsigned int rt = route[8 * j + 2 * t + q];
@@ -400,7 +493,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const float sc = a_scale[0] * w_scale[e];
 #endif
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NJ; ++j) {
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
             const unsigned int rt = route[8 * j + 2 * t + q];

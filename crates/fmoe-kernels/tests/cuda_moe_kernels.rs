@@ -170,11 +170,11 @@ fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
     // Routes aligned to a tile no CUDA kernel has are refused, naming the tiles.
     let (k, x) = (64, Tensor::zeros([m, 64], DType::BF16, &CUDA).unwrap());
     let w13 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::BF16, &CUDA).unwrap());
-    let odd = align_routes(&ids, e, 32).unwrap();
+    let odd = align_routes(&ids, e, 48).unwrap();
     let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &odd, top_k, &w13)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("block_m = 32") && err.contains("64"), "{err}");
+    assert!(err.contains("block_m = 48") && err.contains("64"), "{err}");
     // f16 and fp8 operands: Unsupported, naming what is missing.
     let w16 = WeightOperand::Plain(Tensor::zeros([e, 2 * n, k], DType::F16, &CUDA).unwrap());
     let err = moe_gemm::gemm1_silu_mul(&ActOperand::Plain(x.clone()), &routes, top_k, &w16)
@@ -360,6 +360,150 @@ fn bf16_grouped_gemms_match_the_cpu_twin_at_every_m_tile() {
             // those elements): 4e-3 leaves room for both, far below a wrong tile (~1).
             assert!(herr <= 4e-3, "{what}: h {herr:.3e}");
             assert!(err <= 4e-3, "{what}: y {err:.3e}");
+        }
+    }
+}
+
+/// Smallest and largest M (up to `max_m`) at which the rule runs swap-AB route blocks of `bn`
+/// for `top_k` routes per token over `e` experts (the same rule for every method).
+fn m_range_for_route_block(
+    bn: usize,
+    top_k: usize,
+    e: usize,
+    max_m: usize,
+) -> Option<(usize, usize)> {
+    let ms: Vec<usize> = (1..=max_m)
+        .filter(|m| moe_gemm::swapab_route_block(m * top_k, e) == Some(bn))
+        .collect();
+    Some((*ms.first()?, *ms.last()?))
+}
+
+/// The swap-AB GEMMs at every route block the rule picks (16 and 32 routes per block = wgmma N;
+/// 64 and 128 when the dev knobs force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
+/// range, against the CPU twin on the same operands: 8 experts of which only 3 are routed to (5
+/// with 0 routes, the routed ones with 2.7x the mean, so several ragged blocks each) and E = 1
+/// (every route in one expert); K and N not multiples of 128 (fp8: K = 272, N = 1040; bf16: K =
+/// 200, N = 1000), GEMM2 split over K where the grid is small. Outputs are poisoned (NaN) first.
+#[test]
+fn swap_ab_route_blocks_match_the_cpu_twin() {
+    let Some(b) = test_backend_or_skip() else {
+        return;
+    };
+    if b.compute_capability() != (9, 0) {
+        println!("skipping: swap-AB GEMMs are sm_90a only");
+        return;
+    }
+    let cpu = Device::Cpu;
+    let top_k = 2usize;
+    let mut rng = ChaCha8Rng::seed_from_u64(0x5a9b);
+    let mut covered: BTreeSet<(String, usize)> = BTreeSet::new();
+    for (quant, k, n) in [
+        (ActQuant::None, 200usize, 1000usize),
+        (ActQuant::Fp8PerTensor, 272, 1040),
+        (ActQuant::Fp8Group, 272, 1040),
+    ] {
+        for e in [8usize, 1] {
+            let w13f = randn(&mut rng, e * 2 * n * k, 1.0 / (k as f32).sqrt());
+            let w2f = randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt());
+            let w13 = Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap();
+            let w2 = Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap();
+            let (w13q, w2q) = match quant {
+                ActQuant::None => (WeightOperand::Plain(w13), WeightOperand::Plain(w2)),
+                ActQuant::Fp8PerTensor => {
+                    let pt = |w: &Tensor| {
+                        let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
+                        let s = s.to_f32_vec().unwrap()[0];
+                        let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / 4.0)).collect();
+                        WeightOperand::Fp8PerTensor {
+                            q,
+                            scales: Tensor::from_vec(scales, [e], &cpu).unwrap(),
+                        }
+                    };
+                    (pt(&w13), pt(&w2))
+                }
+                _ => {
+                    let bl = |w: &Tensor| {
+                        let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
+                        WeightOperand::Fp8Block { q, scale_inv }
+                    };
+                    (bl(&w13), bl(&w2))
+                }
+            };
+            let (w13g, w2g) = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
+            for bn in moe_gemm::SWAPAB_ROUTE_BLOCKS {
+                let Some((lo, hi)) = m_range_for_route_block(bn, top_k, e, 400) else {
+                    continue;
+                };
+                for m in BTreeSet::from([lo, hi]) {
+                    let what = format!("{quant:?} E={e} M={m} route block {bn}");
+                    let block_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &w13g).unwrap();
+                    assert_eq!(block_m, bn, "{what}: the layer's block_m");
+                    let x =
+                        Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu)
+                            .unwrap();
+                    // E = 8: experts 1, 4 and 6 only (distinct per token where top_k allows).
+                    let routed = [1u32, 4, 6];
+                    let ids: Vec<u32> = (0..m * top_k)
+                        .map(|_| {
+                            if e == 1 {
+                                0
+                            } else {
+                                routed[rng.random_range(0..routed.len())]
+                            }
+                        })
+                        .collect();
+                    let ids = Tensor::from_vec(ids, [m, top_k], &cpu).unwrap();
+                    let tw: Vec<f32> = (0..m * top_k).map(|_| rng.random_range(0.1..1.0)).collect();
+                    let tw = Tensor::from_vec(tw, [m, top_k], &cpu).unwrap();
+                    let a = ActOperand::quantize(&x, quant).unwrap();
+                    let routes = align_routes(&ids, e, 16).unwrap();
+                    let (h, _) =
+                        moe_gemm::gemm1_silu_mul_quant(&a, &routes, top_k, &w13q, quant).unwrap();
+                    let want = moe_gemm::gemm2_weighted_sum(&h, &routes, &tw, &w2q)
+                        .unwrap()
+                        .to_f32_vec()
+                        .unwrap();
+                    let ag = a.to_device(CUDA).unwrap();
+                    let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
+                    let routes = align_routes(&idsg, e, block_m).unwrap();
+                    let (h, check) =
+                        moe_gemm::gemm1_silu_mul_quant(&ag, &routes, top_k, &w13g, quant).unwrap();
+                    let y = moe_gemm::gemm2_weighted_sum(&h, &routes, &twg, &w2g).unwrap();
+                    check.check().unwrap();
+                    assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
+                    let got = y.to_f32_vec().unwrap();
+                    assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
+                    let err = rel(&got, &want);
+                    println!("{what}: rel_err vs the CPU twin {err:.2e}");
+                    // bf16: exact products summed in another order, h rounded to bf16 (4e-3, as
+                    // the bf16 test); fp8 as the fp8 test (per-tensor requantizes the bf16 h).
+                    let tol = match quant {
+                        ActQuant::None => 4e-3,
+                        ActQuant::Fp8Group => 1e-2,
+                        _ => 3e-2,
+                    };
+                    assert!(err <= tol, "{what}: {err:.3e}");
+                    covered.insert((format!("{quant:?}"), bn));
+                }
+            }
+        }
+    }
+    // Every route block the rule uses ran (16 and 32), or the one the dev knob forces (the device
+    // script runs this test once per route block with FMOE_DEV_SWAPAB_BN and
+    // FMOE_DEV_SWAPAB_ROUTES set).
+    let forced: Option<usize> = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok());
+    for q in ["None", "Fp8PerTensor", "Fp8Group"] {
+        let blocks = match forced {
+            None => vec![16, 32],
+            Some(bn) => vec![bn],
+        };
+        for bn in blocks {
+            assert!(
+                covered.contains(&(q.to_string(), bn)),
+                "{q}: route block {bn} not run"
+            );
         }
     }
 }

@@ -315,14 +315,14 @@ fn fp8_gemm_contract_errors_name_the_dimension() {
         err.contains("no CUDA kernel") && err.contains("per-tensor") && err.contains("128×128"),
         "{err}"
     );
-    // Block-scaled routes need block_m = 16, 64 or 128 (the kernels' M tiles).
+    // Block-scaled routes need block_m = 16, 32, 64 or 128 (the kernels' M tiles).
     let a = ActOperand::quantize(&x, ActQuant::Fp8Group).unwrap();
-    let routes = align_routes(&ids, e, 32).unwrap();
+    let routes = align_routes(&ids, e, 48).unwrap();
     let err = moe_gemm::gemm1_silu_mul_quant(&a, &routes, top_k, &w13, ActQuant::Fp8Group)
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("block_m = 32") && err.contains("16, 64 or 128"),
+        err.contains("block_m = 48") && err.contains("16, 32, 64 or 128"),
         "{err}"
     );
 }

@@ -18,7 +18,8 @@
 //! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`],
 //! [`SM90_LARGE`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
 //! the rule that picks one per batch, [`GemmConfig::select`]: on Hopper the swap-AB decode kernel
-//! below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average (as the fp8 GEMMs), the 64-route
+//! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs; with
+//! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there. Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
@@ -27,7 +28,7 @@ use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
-use super::cuda_fp8::{SWAPAB_ROUTES_PER_EXPERT, dev_swapab};
+use super::cuda_fp8::{swapab_route_block, swapab_stages, swapab_stages_for};
 use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
@@ -92,7 +93,7 @@ pub const MMA: GemmConfig = GemmConfig {
     raster_gm: 0,
 };
 
-/// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average: 256
+/// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average: 256
 /// weight rows × 16 routes per block, a 3-deep ring of 32 KiB weight stages (the fp8 kernels'
 /// bytes: 64 bf16 of K per stage instead of 128 e4m3), 103 KiB of shared memory, two blocks per
 /// SM. Only the route blocks that can be busy are launched; GEMM2's split-K evens the waves
@@ -108,9 +109,10 @@ pub const SM90_SWAPAB: GemmConfig = GemmConfig {
     raster_gm: 0,
 };
 
-/// [`SM90_SWAPAB`] with a ring of `stages`.
-const fn sm90_swapab(stages: usize) -> GemmConfig {
+/// [`SM90_SWAPAB`] with route blocks of `bn` (wgmma N, `-D BN`) and a ring of `stages`.
+pub const fn sm90_swapab(bn: usize, stages: usize) -> GemmConfig {
     GemmConfig {
+        bm: bn,
         stages,
         ..SM90_SWAPAB
     }
@@ -294,8 +296,8 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
-/// `FMOE_DEV_SWAPAB_ROUTES=<n>` replaces [`SWAPAB_ROUTES_PER_EXPERT`] in both select rules;
-/// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor.
+/// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
+/// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor (swap-AB's too).
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
 pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
 pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
@@ -319,10 +321,11 @@ pub(super) fn large_tile_routes_per_expert() -> usize {
         .unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
 }
 
-/// [`SWAPAB_ROUTES_PER_EXPERT`], or the [`DEV_SWAPAB_ROUTES_ENV`] override.
-pub(super) fn swapab_routes_per_expert() -> usize {
+/// The [`DEV_SWAPAB_ROUTES_ENV`] override of the swap-AB range's upper end
+/// ([`SWAPAB_MID_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_MID_ROUTES_PER_EXPERT)).
+pub(super) fn swapab_routes_per_expert() -> Option<usize> {
     static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV).unwrap_or(SWAPAB_ROUTES_PER_EXPERT)
+    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV)
 }
 
 impl GemmConfig {
@@ -343,10 +346,8 @@ impl GemmConfig {
             return MMA;
         }
         let experts = experts.max(1);
-        if let Some(stages) = dev_swapab()
-            && num_routes < swapab_routes_per_expert() * experts
-        {
-            sm90_swapab(stages)
+        if let Some(bn) = swapab_route_block(num_routes, experts) {
+            sm90_swapab(bn, swapab_stages_for(bn))
         } else if num_routes < large_tile_routes_per_expert() * experts {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
@@ -376,11 +377,12 @@ impl GemmConfig {
         })
     }
 
-    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc` (16:
-    /// [`SM90_SWAPAB`], with the ring depth of [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
+    /// The variant that consumes routes aligned to `block_m` on a device of capability `cc` (16
+    /// and 32: [`SM90_SWAPAB`]'s route blocks, with the ring depth of
+    /// [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
-        let swapab = sm90_swapab(dev_swapab().unwrap_or(SM90_SWAPAB.stages));
-        [swapab, SM90_SMALL, SM90_LARGE, MMA]
+        let swapab = |bn| sm90_swapab(bn, swapab_stages_for(bn));
+        [swapab(16), swapab(32), SM90_SMALL, SM90_LARGE, MMA]
             .into_iter()
             .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
             .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
@@ -409,8 +411,8 @@ impl GemmConfig {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
             GemmKind::Sm90Pipe { .. } => 384,
-            // Two MMA warpgroups and one loader warp.
-            GemmKind::SwapAb => 288,
+            // Two MMA warpgroups and one loader warp (a loader warpgroup from BN = 64 on).
+            GemmKind::SwapAb => super::cuda_fp8::swapab_threads(self.bm),
         }
     }
     /// Dynamic shared memory per block (the sources' formulas).
@@ -460,6 +462,7 @@ impl GemmConfig {
             GemmKind::SwapAb => {
                 d.push(("ELEM_BF16", "1".to_string()));
                 d.push(("STAGES", self.stages.to_string()));
+                d.push(("BN", self.bm.to_string()));
             }
         }
         d
@@ -532,8 +535,10 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             _ => None,
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
-    for cfg in [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID]
+    let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
+    for cfg in [MMA, SM90_SMALL, SM90_MID]
         .into_iter()
+        .chain(swapabs)
         .chain(experiments)
         .chain(mids)
     {
@@ -686,7 +691,11 @@ fn route_buffers<'a>(
                 "routes are aligned to block_m = {}; the CUDA grouped GEMMs of this device take {} \
                  (their M tiles)",
                 routes.block_m,
-                if cc == (9, 0) { "16, 64 or 128" } else { "64" }
+                if cc == (9, 0) {
+                    "16, 32, 64 or 128"
+                } else {
+                    "64"
+                }
             ),
         ));
     };
@@ -751,11 +760,28 @@ pub(super) fn swap_ab_blocks(bm: usize, num_routes: usize, experts: usize, slots
 /// Swap-AB GEMM2's split-K factor for `ctas` blocks (route blocks × N tiles) before splitting,
 /// over a reduction of `ktiles` K steps: the one (≤ a quarter of the K steps) that minimizes
 /// waves × K steps per block over `sms` SMs with as many blocks per SM as `smem_bytes` allows, the
-/// fewest splits on a tie (fewer partial sums into y).
-pub(super) fn swap_ab_splits(smem_bytes: usize, ctas: usize, ktiles: usize, sms: usize) -> usize {
+/// fewest splits on a tie (fewer partial sums into y). Route blocks of `bm` ≥ 32 (from 16 routes
+/// per expert on average) are never split once the grid fills a wave: there the cost model's
+/// gains are a fraction of a wave (the grid counts blocks that exit at once) while every split
+/// adds a partial sum of each output into y (H200, DeepSeek-V3 bf16 at M = 512, 32-route blocks:
+/// 4 splits 5.47 ms, none 5.41; 64-route blocks at M = 1024 split 8 ways: 7.37 ms, none 5.91).
+pub(super) fn swap_ab_splits(
+    smem_bytes: usize,
+    bm: usize,
+    ctas: usize,
+    ktiles: usize,
+    sms: usize,
+) -> usize {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    if let Some(s) = dev_knob(&FORCED, DEV_SPLITS_ENV).filter(|&s| s > 0) {
+        return s;
+    }
     let ktiles = ktiles.max(1);
     let per_sm = (228 * 1024 / (smem_bytes + 1024)).max(1);
     let slots = (sms * per_sm).max(1);
+    if bm >= 32 && ctas >= slots {
+        return 1;
+    }
     let cost = |s: usize| (ctas * s).div_ceil(slots) * ktiles.div_ceil(s);
     (1..=(ktiles / 4).max(1))
         .min_by_key(|&s| (cost(s), s))
@@ -823,7 +849,13 @@ fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
     };
     let splits = if g.mode == 2 && swap_ab {
         let ktiles = g.kd.div_ceil(cfg.bk);
-        swap_ab_splits(cfg.smem_bytes() as usize, blocks_m * n_tiles, ktiles, sms)
+        swap_ab_splits(
+            cfg.smem_bytes() as usize,
+            cfg.bm,
+            blocks_m * n_tiles,
+            ktiles,
+            sms,
+        )
     } else if g.mode == 2 {
         cfg.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
     } else {
@@ -1414,7 +1446,12 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 2, 8), SM90_SWAPAB); // Mixtral decode
         assert_eq!(GemmConfig::select(h, 8, 256), SM90_SWAPAB); // DeepSeek-V3 decode
         assert_eq!(GemmConfig::select(h, 16 * 8 - 1, 8), SM90_SWAPAB);
-        assert_eq!(GemmConfig::select(h, 16 * 8, 8), SM90_SMALL); // Mixtral, M = 64
+        // 16 to 25 routes per expert: 32-route blocks.
+        let swap32 = sm90_swapab(32, 3);
+        assert_eq!(GemmConfig::select(h, 16 * 8, 8), swap32); // Mixtral, M = 64
+        assert_eq!(GemmConfig::select(h, 25 * 8 - 1, 8), swap32);
+        assert_eq!(GemmConfig::select(h, 512 * 8, 256), swap32); // DeepSeek-V3, M = 512
+        assert_eq!(GemmConfig::select(h, 25 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
@@ -1446,19 +1483,41 @@ mod select_tests {
             [
                 ("MODE", "2".to_string()),
                 ("ELEM_BF16", "1".to_string()),
-                ("STAGES", "3".to_string())
+                ("STAGES", "3".to_string()),
+                ("BN", "16".to_string())
             ]
         );
+        // Larger route blocks: the same source with BN; 64 and 128 hold one block per SM.
+        let c128 = sm90_swapab(128, swapab_stages(128));
+        assert_eq!(c128.smem_bytes(), 4 * (256 + 128) * 128 + 1024);
+        assert_eq!(c128.defines(1)[3], ("BN", "128".to_string()));
+        assert_eq!(sm90_swapab(32, 3).smem_bytes(), 3 * (256 + 32) * 128 + 1024);
         // Mixtral M = 1: 2 routes in 2 of the 8 + 2 blocks of 16.
         assert_eq!(swap_ab_blocks(16, 2, 8, 16 * 10), 2);
         // Mixtral GEMM2 at M = 1: 2 blocks × 16 N tiles, 14336 / 64 = 224 K steps, 132 SMs with
         // two blocks each: 8 splits fill one wave of 256 blocks with 28 K steps each.
         assert_eq!(
-            swap_ab_splits(c.smem_bytes() as usize, 32, 14336 / 64, 132),
+            swap_ab_splits(c.smem_bytes() as usize, 16, 32, 14336 / 64, 132),
             8
         );
         // Short reductions are never split.
-        assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 2, 3, 132), 1);
+        assert_eq!(swap_ab_splits(c.smem_bytes() as usize, 16, 2, 3, 132), 1);
+        // DeepSeek-V3 GEMM2 at M = 512 (bf16, 7168 outputs = 28 N tiles, 32 K steps): 16-route
+        // blocks keep the cost model's 4 splits, 32-route blocks (a grid of many waves) none; a
+        // small grid of 32-route blocks is still split.
+        let c32 = sm90_swapab(32, 3);
+        assert_eq!(
+            swap_ab_splits(c.smem_bytes() as usize, 16, 384 * 28, 32, 132),
+            4
+        );
+        assert_eq!(
+            swap_ab_splits(c32.smem_bytes() as usize, 32, 384 * 28, 32, 132),
+            1
+        );
+        assert_eq!(
+            swap_ab_splits(c32.smem_bytes() as usize, 32, 2 * 16, 224, 132),
+            8
+        );
     }
 
     #[test]
@@ -1538,7 +1597,15 @@ mod select_tests {
         assert_eq!(GemmConfig::for_block_m((8, 9), 64), Some(MMA));
         assert_eq!(GemmConfig::for_block_m((8, 9), 128), None);
         assert_eq!(GemmConfig::for_block_m((8, 9), 16), None);
-        assert_eq!(GemmConfig::for_block_m((9, 0), 32), None);
+        assert_eq!(
+            GemmConfig::for_block_m((9, 0), 32),
+            Some(sm90_swapab(32, 3))
+        );
+        assert_eq!(GemmConfig::for_block_m((9, 0), 48), None);
+        assert_eq!(
+            GemmConfig::for_routes((9, 0), 32, 20 * 8, 8),
+            Some(sm90_swapab(32, 3))
+        );
         // Decode routes aligned to 16 run swap-AB; a larger batch aligned to 16 does too.
         assert_eq!(GemmConfig::for_routes((9, 0), 16, 2, 8), Some(SM90_SWAPAB));
         assert_eq!(
@@ -1563,6 +1630,10 @@ mod select_tests {
         // Shared memory stays within the 227 KiB a Hopper block may opt into.
         for cfg in [SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE, MMA] {
             assert!(cfg.smem_bytes() + 2048 <= 227 * 1024, "{cfg:?}");
+        }
+        for bn in super::super::SWAPAB_ROUTE_BLOCKS {
+            let cfg = sm90_swapab(bn, swapab_stages(bn));
+            assert!(cfg.smem_bytes() + 8192 <= 227 * 1024, "{cfg:?}");
         }
         // The dev experiments replace SM90_LARGE: same M tile, within the limit (static shared
         // memory of the warp-specialized kernel included), distinct names, "default" first.

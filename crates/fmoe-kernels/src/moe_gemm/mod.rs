@@ -46,9 +46,11 @@ pub use cuda::{
     MMA, SM90_LARGE, SM90_MID, SM90_SMALL, SM90_SWAPAB, route_rows_pay,
 };
 pub use cuda_fp8::{
-    DEV_FP8_LARGE_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_LARGE_HALVES, FP8_BLOCK_SCALED,
-    FP8_BLOCK_SWAPAB, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE, FP8_TENSOR_SMALL,
-    FP8_TENSOR_SWAPAB, FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme, SWAPAB_ROUTES_PER_EXPERT,
+    DEV_FP8_LARGE_ENV, DEV_SWAPAB_BN_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_LARGE_HALVES,
+    FP8_BLOCK_SCALED, FP8_BLOCK_SWAPAB, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE,
+    FP8_TENSOR_SMALL, FP8_TENSOR_SWAPAB, FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme,
+    SWAPAB_MID_ROUTES_PER_EXPERT, SWAPAB_ROUTE_BLOCKS, SWAPAB_ROUTES_PER_EXPERT,
+    swapab_route_block, swapab_stages,
 };
 pub use operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 
@@ -64,6 +66,7 @@ pub(crate) fn cuda_block_ms() -> Vec<usize> {
     let mut bms: Vec<usize> = [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE]
         .iter()
         .map(|c| c.bm)
+        .chain(SWAPAB_ROUTE_BLOCKS)
         .chain(cuda_fp8::ALL.iter().map(|c| c.bm))
         .collect();
     bms.sort_unstable();

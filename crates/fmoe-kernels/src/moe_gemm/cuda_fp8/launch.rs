@@ -85,13 +85,18 @@ pub(super) fn fp8_routes<'a>(
     device: Device,
     scheme: Fp8Scheme,
 ) -> Result<Fp8Routes<'a>> {
-    let Some(cfg) = Fp8GemmConfig::for_block_m(scheme, routes.block_m) else {
+    let Some(cfg) = Fp8GemmConfig::for_routes(
+        scheme,
+        routes.block_m,
+        routes.num_routes,
+        routes.num_experts,
+    ) else {
         return Err(Error::invalid(
             op,
             format!(
                 "routes are aligned to block_m = {}; the CUDA {scheme:?} fp8 GEMM takes {} (its M \
                  tiles)",
-                routes.block_m, "16, 64 or 128"
+                routes.block_m, "16, 32, 64 or 128"
             ),
         ));
     };

@@ -34,7 +34,9 @@
 //!   (m64n16k32), promoted per 128-wide K tile (block scales per route column and weight row);
 //!   same epilogues and outputs. Only the route blocks that can be busy are launched, and GEMM2's
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
-//!   brings the 64-route kernels back there;
+//!   brings the 64-route kernels back there; from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`] = 25
+//!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
+//!   GEMM2 unsplit once its grid fills a wave;
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
 //!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's four
 //!   64-row quarters into two 32-register partials in turn and promotes each while the next one
@@ -227,21 +229,82 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     ..FP8_TENSOR_SWAPAB
 };
 
-/// Below this many routes per expert on average the swap-AB variants run (one 16-route block per
-/// expert on average; with more, an expert's blocks each stream its weights, through L2).
+/// Below this many routes per expert on average the swap-AB variants run with 16-route blocks
+/// (one block per expert on average; with more, an expert's 16-route blocks each stream its
+/// weights, through L2).
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
+/// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16 and 32 run
+/// by the rule; 64 and 128 only through [`DEV_SWAPAB_BN_ENV`].
+pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
+
+/// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
+/// swap-AB variants run with 32-route blocks: up to about 25 a block holds an expert's mean + 1.5
+/// standard deviations of routes (mean m, deviation about sqrt(m)), so nearly every expert streams
+/// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
+/// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
+/// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
+/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) win only
+/// DeepSeek-V3 fp8-block at 32 routes per expert (1.07x) and lose or tie elsewhere (up to 1.23x
+/// slower at 64 per expert than the 128-row tiles), so the rule does not use them.
+pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
+
+/// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
+/// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
+/// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
+/// [`DEV_SWAPAB_BN_ENV`] forces the block, `FMOE_DEV_SWAPAB_ROUTES` moves the
+/// upper end of the range.
+pub fn swapab_route_block(num_routes: usize, experts: usize) -> Option<usize> {
+    dev_swapab()?;
+    let experts = experts.max(1);
+    let upper = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
+    if num_routes >= upper * experts {
+        return None;
+    }
+    if let Some(bn) = dev_swapab_bn() {
+        return Some(bn);
+    }
+    Some(if num_routes < SWAPAB_ROUTES_PER_EXPERT * experts {
+        16
+    } else {
+        32
+    })
+}
+
+/// Threads of a swap-AB block with route block `bn`: two MMA warpgroups and one loader warp, a
+/// loader warpgroup from 64 routes on (the source's `NTHREADS`).
+pub const fn swapab_threads(bn: usize) -> u32 {
+    if bn >= 64 { 384 } else { 288 }
+}
+
+/// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
+/// blocks per SM), as deep as shared memory allows with one block per SM at 64 (5) and 128 (4).
+pub const fn swapab_stages(bn: usize) -> usize {
+    match bn {
+        0..=32 => 3,
+        33..=64 => 5,
+        _ => 4,
+    }
+}
+
 /// Dev-only: `FMOE_DEV_SWAPAB=off` runs few-routes batches on the 64-route kernels the swap-AB
-/// ones replaced, fp8 and bf16; a number sets the swap-AB ring depth (not a catalog variant:
-/// compiled when used). Read once per process; not a user setting; "on" or unset = the default.
+/// ones replaced, fp8 and bf16; a number sets the swap-AB ring depth of every route block (not a
+/// catalog variant: compiled when used). Read once per process; not a user setting; "on" or unset
+/// = the default.
 pub const DEV_SWAPAB_ENV: &str = "FMOE_DEV_SWAPAB";
 
-/// [`DEV_SWAPAB_ENV`]: `None` = off, `Some(stages)` otherwise (an unknown value is reported once
-/// on stderr and ignored).
+/// Dev-only: `FMOE_DEV_SWAPAB_BN=<16|32|64|128>` runs every swap-AB batch with that route block
+/// (read once per process; not a user setting; an unknown value is reported and
+/// ignored).
+pub const DEV_SWAPAB_BN_ENV: &str = "FMOE_DEV_SWAPAB_BN";
+
+/// [`DEV_SWAPAB_ENV`]: `None` = off, `Some(0)` = each route block's own depth
+/// ([`swapab_stages`]), `Some(stages)` a forced depth (an unknown value is reported once on
+/// stderr and ignored).
 pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
     static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var(DEV_SWAPAB_ENV).as_deref() {
-        Err(_) | Ok("on") => Some(FP8_TENSOR_SWAPAB.stages),
+        Err(_) | Ok("on") => Some(0),
         Ok("off") => None,
         Ok(v) => match v.parse::<usize>() {
             Ok(n) if (2..=6).contains(&n) => Some(n),
@@ -250,9 +313,34 @@ pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
                     "fmoe: {DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
                      using the default"
                 );
-                Some(FP8_TENSOR_SWAPAB.stages)
+                Some(0)
             }
         },
+    })
+}
+
+/// The swap-AB ring depth for route block `bn`: [`DEV_SWAPAB_ENV`]'s if it sets one.
+pub(in crate::moe_gemm) fn swapab_stages_for(bn: usize) -> usize {
+    match dev_swapab() {
+        Some(n) if n > 0 => n,
+        _ => swapab_stages(bn),
+    }
+}
+
+fn dev_swapab_bn() -> Option<usize> {
+    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let v = std::env::var(DEV_SWAPAB_BN_ENV).ok()?;
+        let bn = v
+            .parse::<usize>()
+            .ok()
+            .filter(|b| SWAPAB_ROUTE_BLOCKS.contains(b));
+        if bn.is_none() {
+            eprintln!(
+                "fmoe: {DEV_SWAPAB_BN_ENV}={v:?} is not one of {SWAPAB_ROUTE_BLOCKS:?}; ignored"
+            );
+        }
+        bn
     })
 }
 
@@ -324,9 +412,15 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 8] = [
+pub(super) const ALL: [Fp8GemmConfig; 14] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
+    Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages(32)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 32, swapab_stages(32)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 64, swapab_stages(64)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 64, swapab_stages(64)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 128, swapab_stages(128)),
+    Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 128, swapab_stages(128)),
     FP8_TENSOR_SMALL,
     FP8_TENSOR_LARGE,
     FP8_TENSOR_SYNC,
@@ -366,22 +460,40 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        if let Some(stages) = dev_swapab()
-            && num_routes < swapab_routes_per_expert() * experts.max(1)
-        {
-            return Self::swap_ab(scheme, stages);
+        if let Some(bn) = swapab_route_block(num_routes, experts) {
+            return Self::swap_ab(scheme, bn, swapab_stages_for(bn));
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
         with_dev_promote(Self::select_with(scheme, large, dev_sync()), dev_large())
     }
 
-    /// The swap-AB variant of `scheme` with a ring of `stages`.
-    const fn swap_ab(scheme: Fp8Scheme, stages: usize) -> Fp8GemmConfig {
+    /// The swap-AB variant of `scheme` with route blocks of `bn` and a ring of `stages`.
+    pub const fn swap_ab(scheme: Fp8Scheme, bn: usize, stages: usize) -> Fp8GemmConfig {
         let base = match scheme {
             Fp8Scheme::PerTensor => FP8_TENSOR_SWAPAB,
             Fp8Scheme::Block => FP8_BLOCK_SWAPAB,
         };
-        Fp8GemmConfig { stages, ..base }
+        Fp8GemmConfig {
+            bm: bn,
+            stages,
+            ..base
+        }
+    }
+
+    /// The variant that runs routes aligned to `block_m` for a batch of `num_routes` routes over
+    /// `experts` experts: [`Self::select`]'s when its M tile matches (swap-AB's route blocks of 64
+    /// and 128 share their `block_m` with the tile kernels), else [`Self::for_block_m`]'s.
+    pub fn for_routes(
+        scheme: Fp8Scheme,
+        block_m: usize,
+        num_routes: usize,
+        experts: usize,
+    ) -> Option<Fp8GemmConfig> {
+        let picked = Self::select(scheme, num_routes, experts);
+        if picked.bm == block_m {
+            return Some(picked);
+        }
+        Self::for_block_m(scheme, block_m)
     }
 
     /// [`Self::select`] once the batch size is judged (`large`), with `sync` =
@@ -396,10 +508,10 @@ impl Fp8GemmConfig {
         }
     }
 
-    /// The variant of `scheme` that consumes routes aligned to `block_m` (per-tensor 128: the
-    /// one [`DEV_FP8_LARGE_ENV`] picks).
+    /// The variant of `scheme` that consumes routes aligned to `block_m` (16 and 32: swap-AB;
+    /// per-tensor 128: the one [`DEV_FP8_LARGE_ENV`] picks).
     pub fn for_block_m(scheme: Fp8Scheme, block_m: usize) -> Option<Fp8GemmConfig> {
-        let stages = dev_swapab().unwrap_or(FP8_TENSOR_SWAPAB.stages);
+        let stages = swapab_stages_for(block_m);
         Self::for_block_m_with(scheme, block_m, dev_sync(), stages)
             .map(|c| with_dev_promote(c, dev_large()))
     }
@@ -412,8 +524,10 @@ impl Fp8GemmConfig {
     ) -> Option<Fp8GemmConfig> {
         let tensor_large = Self::select_with(Fp8Scheme::PerTensor, true, sync);
         [
-            Self::swap_ab(Fp8Scheme::PerTensor, swapab_stages),
-            Self::swap_ab(Fp8Scheme::Block, swapab_stages),
+            Self::swap_ab(Fp8Scheme::PerTensor, 16, swapab_stages),
+            Self::swap_ab(Fp8Scheme::Block, 16, swapab_stages),
+            Self::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages),
+            Self::swap_ab(Fp8Scheme::Block, 32, swapab_stages),
             FP8_TENSOR_SMALL,
             tensor_large,
             FP8_BLOCK_SCALED,
@@ -439,7 +553,7 @@ impl Fp8GemmConfig {
 
     pub const fn threads(&self) -> u32 {
         if self.swap_ab {
-            return 288;
+            return swapab_threads(self.bm);
         }
         match (self.ws, self.scheme) {
             (true, _) => 384,
@@ -483,6 +597,7 @@ impl Fp8GemmConfig {
             let block = u32::from(self.scheme == Fp8Scheme::Block);
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
+            d.push(("BN", self.bm.to_string()));
             return d;
         }
         if self.ws {
@@ -535,7 +650,13 @@ impl Fp8GemmConfig {
     /// the one (≤ a quarter of the K tiles) that minimizes waves × K tiles per block over `sms` SMs with as many blocks per SM as shared memory holds, the
     /// fewest splits on a tie (fewer partial sums into y).
     pub fn swap_ab_splits(&self, ctas: usize, kd: usize, sms: usize) -> usize {
-        super::cuda::swap_ab_splits(self.smem_bytes() as usize, ctas, kd.div_ceil(128), sms)
+        super::cuda::swap_ab_splits(
+            self.smem_bytes() as usize,
+            self.bm,
+            ctas,
+            kd.div_ceil(128),
+            sms,
+        )
     }
 }
 
@@ -599,9 +720,9 @@ mod tests {
         for c in ALL {
             assert!(c.smem_bytes() <= 227 * 1024, "{c:?}");
             assert!(!c.promote || c.scheme == Fp8Scheme::Block || c.wg_n == 128 || c.swap_ab);
-            // Swap-AB: 16-route blocks of 256 weight rows, no other kernel's flags.
+            // Swap-AB: 16-128-route blocks of 256 weight rows, no other kernel's flags.
             assert!(
-                !c.swap_ab || ((c.bm, c.wg_n) == (16, 256) && !c.ws),
+                !c.swap_ab || (SWAPAB_ROUTE_BLOCKS.contains(&c.bm) && c.wg_n == 256 && !c.ws),
                 "{c:?}"
             );
             // Warp-specialized: 128 × 256 tiles only.
@@ -667,9 +788,19 @@ mod tests {
             [
                 ("MODE", "2".to_string()),
                 ("BLOCK_SCALED", "1".to_string()),
-                ("STAGES", "3".to_string())
+                ("STAGES", "3".to_string()),
+                ("BN", "16".to_string())
             ]
         );
+        // 32-route blocks: two blocks per SM still (2 x 110 KiB + static shared memory).
+        let c32 = Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages(32));
+        assert_eq!(c32.smem_bytes(), 3 * (256 + 32) * 128 + 1024);
+        assert!(2 * (c32.smem_bytes() + 2048 + 1024) <= 228 * 1024);
+        assert_eq!(c32.defines(1)[3], ("BN", "32".to_string()));
+        let c64 = Fp8GemmConfig::swap_ab(Fp8Scheme::Block, 64, swapab_stages(64));
+        assert_eq!(c64.smem_bytes(), 5 * (256 + 64) * 128 + 1024);
+        // From 64 routes a loader warpgroup: 384 threads.
+        assert_eq!((c32.threads(), c64.threads()), (288, 384));
         let c = FP8_TENSOR_SWAPAB;
         // DeepSeek-V3 decode, M = 1: 8 routes on 8 of 256 experts, 8 + 256 · 15 slots.
         assert_eq!(c.swap_ab_blocks(8, 256, 8 + 256 * 15), 8);
@@ -697,11 +828,30 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 16 * 8 - 1, 8),
             FP8_TENSOR_SWAPAB
         );
+        // 16 to 25 routes per expert: 32-route blocks; from 25 the 64-row tiles.
+        let swap32 = |scheme| Fp8GemmConfig::swap_ab(scheme, 32, 3);
         assert_eq!(
             Fp8GemmConfig::select(PerTensor, 16 * 8, 8),
+            swap32(PerTensor)
+        );
+        assert_eq!(Fp8GemmConfig::select(Block, 16 * 8, 8), swap32(Block));
+        assert_eq!(Fp8GemmConfig::select(Block, 512 * 8, 256), swap32(Block)); // DeepSeek-V3
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8 - 1, 8), swap32(Block));
+        assert_eq!(
+            Fp8GemmConfig::select(PerTensor, 25 * 8, 8),
             FP8_TENSOR_SMALL
         );
-        assert_eq!(Fp8GemmConfig::select(Block, 16 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), Some(swap32(Block)));
+        // Routes aligned to 64 with a batch the rule gives the tiles: the tiles.
+        assert_eq!(
+            Fp8GemmConfig::for_routes(Block, 64, 40 * 8, 8),
+            Some(FP8_BLOCK_SCALED)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_routes(PerTensor, 32, 20 * 8, 8),
+            Some(swap32(PerTensor))
+        );
         assert_eq!(
             Fp8GemmConfig::for_block_m(PerTensor, 16),
             Some(FP8_TENSOR_SWAPAB)
@@ -765,7 +915,7 @@ mod tests {
             Fp8GemmConfig::for_block_m(Block, 128),
             Some(FP8_BLOCK_LARGE)
         );
-        assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), None);
+        assert_eq!(Fp8GemmConfig::for_block_m(Block, 48), None);
         // The dev promotions replace only the block-scaled large kernel.
         assert_eq!(
             with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0)),
