@@ -91,7 +91,9 @@ mod launch;
 mod support;
 mod unfused;
 
-use super::cuda::{large_tile_routes_per_expert, swapab_routes_per_expert};
+use super::cuda::{
+    large_tile_routes_per_expert, swapab_routes_per_expert, swapab_wide_routes_per_expert,
+};
 use crate::catalog::KernelVariant;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
@@ -132,8 +134,12 @@ pub struct Fp8GemmConfig {
     /// Block-scaled `ws` only, how the promotion meets the MMAs (`-D PIPE_PROMOTE`): 0 = each
     /// warpgroup multiplies a 128-row half, waits and promotes it (tensor cores idle meanwhile
     /// unless the other warpgroup multiplies); p = 1, 2, 4 = 64-row quarters, each promoted while
-    /// the next one multiplies, the wgmma pipe drained once per p K blocks.
+    /// the next one multiplies, the wgmma pipe drained once per p K blocks. GEMM1 (MODE 1) only
+    /// where [`Self::promote_pipe_gemm2`] differs.
     pub promote_pipe: usize,
+    /// `promote_pipe` of GEMM2 (MODE 2): the two modes compile separately, so each can take the
+    /// schedule that suits it.
+    pub promote_pipe_gemm2: usize,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -147,6 +153,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
@@ -161,6 +168,7 @@ pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 16,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
@@ -183,6 +191,7 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
@@ -198,12 +207,24 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 16,
     swap_ab: false,
     promote_pipe: 2,
+    promote_pipe_gemm2: 2,
 };
 
 /// [`FP8_BLOCK_LARGE`] with its previous promotion: 128-row halves, each waited for and promoted
 /// before the next one is issued. The dev experiment "promote-halves" of [`DEV_FP8_LARGE_ENV`].
 pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
+    ..FP8_BLOCK_LARGE
+};
+
+/// [`FP8_BLOCK_LARGE`] with GEMM2 (MODE 2) back on the halves, GEMM1 on the quarters: ncu had the
+/// quarters 9 % faster in GEMM1 (its per-column scale choice gone) but 4 % slower in GEMM2, whose
+/// halves already compiled without the choice (BENCHMARKS.md, "block-scaled promotion"). The dev
+/// experiment "promote-gemm2-halves" of [`DEV_FP8_LARGE_ENV`]; its two CUBINs are those of
+/// [`FP8_BLOCK_LARGE`] (MODE 1) and [`FP8_BLOCK_LARGE_HALVES`] (MODE 2), already in the catalog.
+pub const FP8_BLOCK_LARGE_GEMM2_HALVES: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe_gemm2: 0,
     ..FP8_BLOCK_LARGE
 };
 
@@ -221,6 +242,7 @@ pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: true,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Block-scaled, few routes per expert: the swap-AB kernel with `BLOCK_SCALED=1`.
@@ -249,6 +271,16 @@ pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 /// slower at 64 per expert than the 128-row tiles), so the rule does not use them.
 pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
+/// Block-scaled only: from the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below
+/// this many routes per expert on average the swap-AB kernel runs with 64-route blocks (one block
+/// per SM, GEMM2 unsplit) instead of the 64-row tiles ([`swapab_route_block_for`]). Why only this
+/// scheme: the block tile kernel's 64-row tiles pay the per-K-block promotion of a 64 × 256 tile
+/// with 2 warpgroups (each weight byte streamed once per 64 routes and promoted there), while
+/// swap-AB's promote per weight row and stream the weights through a deeper TMA ring; bf16 and
+/// per-tensor tiles have no promotion to pay and win from 25 on (BENCHMARKS.md, "swap-AB with
+/// 32-route blocks" table 3 and "64-route swap-AB for block-scaled fp8").
+pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 41;
+
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
 /// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
 /// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
@@ -269,6 +301,30 @@ pub fn swapab_route_block(num_routes: usize, experts: usize) -> Option<usize> {
     } else {
         32
     })
+}
+
+/// [`swapab_route_block`] for an fp8 scheme: block-scaled batches also from its range's end up to
+/// below [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per expert with 64-route blocks (dev:
+/// `FMOE_DEV_SWAPAB_WIDE_ROUTES` moves that end; [`DEV_SWAPAB_BN_ENV`] forces the block here too).
+pub fn swapab_route_block_for(
+    scheme: Fp8Scheme,
+    num_routes: usize,
+    experts: usize,
+) -> Option<usize> {
+    if let Some(bn) = swapab_route_block(num_routes, experts) {
+        return Some(bn);
+    }
+    if scheme != Fp8Scheme::Block {
+        return None;
+    }
+    dev_swapab()?;
+    let experts = experts.max(1);
+    let lo = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
+    let hi = swapab_wide_routes_per_expert().unwrap_or(SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT);
+    if num_routes < lo * experts || num_routes >= hi * experts {
+        return None;
+    }
+    Some(dev_swapab_bn().unwrap_or(64))
 }
 
 /// Threads of a swap-AB block with route block `bn`: two MMA warpgroups and one loader warp, a
@@ -347,7 +403,8 @@ fn dev_swapab_bn() -> Option<usize> {
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
 /// only block kernel before); `promote-halves` runs the block-scaled warp-specialized kernel with
-/// its previous promotion ([`FP8_BLOCK_LARGE_HALVES`]) and `promote-drain1|2|4` with quarters
+/// its previous promotion ([`FP8_BLOCK_LARGE_HALVES`]), `promote-gemm2-halves` the quarters in
+/// GEMM1 and the halves in GEMM2 ([`FP8_BLOCK_LARGE_GEMM2_HALVES`]) and `promote-drain1|2|4` with quarters
 /// drained every 1, 2 or 4 K blocks ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
 /// compiled when used), so one binary can time and test them all (read once per process; not a
 /// user setting; "default" or unset = the warp-specialized kernels as selected).
@@ -358,8 +415,8 @@ pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
 enum DevLarge {
     Default,
     Sync,
-    /// The block-scaled large kernel with this `promote_pipe`.
-    Promote(usize),
+    /// The block-scaled large kernel with these `promote_pipe` (GEMM1, GEMM2).
+    Promote(usize, usize),
 }
 
 /// [`DEV_FP8_LARGE_ENV`] (an unknown value is reported once on stderr and ignored).
@@ -368,14 +425,16 @@ fn dev_large() -> DevLarge {
     *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
         Err(_) | Ok("default") => DevLarge::Default,
         Ok("sync") => DevLarge::Sync,
-        Ok("promote-halves") => DevLarge::Promote(0),
-        Ok("promote-drain1") => DevLarge::Promote(1),
-        Ok("promote-drain2") => DevLarge::Promote(2),
-        Ok("promote-drain4") => DevLarge::Promote(4),
+        Ok("promote-halves") => DevLarge::Promote(0, 0),
+        Ok("promote-drain1") => DevLarge::Promote(1, 1),
+        Ok("promote-drain2") => DevLarge::Promote(2, 2),
+        Ok("promote-drain4") => DevLarge::Promote(4, 4),
+        Ok("promote-gemm2-halves") => DevLarge::Promote(2, 0),
         Ok(other) => {
             eprintln!(
                 "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
-                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\"]; \
+                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
+                 \"promote-gemm2-halves\"]; \
                  using the default"
             );
             DevLarge::Default
@@ -390,8 +449,9 @@ fn dev_sync() -> bool {
 /// `cfg` with the promotion [`DEV_FP8_LARGE_ENV`] asks for, when it is the block-scaled large one.
 fn with_dev_promote(cfg: Fp8GemmConfig, dev: DevLarge) -> Fp8GemmConfig {
     match dev {
-        DevLarge::Promote(p) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
-            promote_pipe: p,
+        DevLarge::Promote(p1, p2) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
+            promote_pipe: p1,
+            promote_pipe_gemm2: p2,
             ..cfg
         },
         _ => cfg,
@@ -460,7 +520,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        if let Some(bn) = swapab_route_block(num_routes, experts) {
+        if let Some(bn) = swapab_route_block_for(scheme, num_routes, experts) {
             return Self::swap_ab(scheme, bn, swapab_stages_for(bn));
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
@@ -605,8 +665,13 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("RASTER_GM", self.raster_gm.to_string()));
-            if self.promote_pipe > 0 {
-                d.push(("PIPE_PROMOTE", self.promote_pipe.to_string()));
+            let pipe = if mode == 2 {
+                self.promote_pipe_gemm2
+            } else {
+                self.promote_pipe
+            };
+            if pipe > 0 {
+                d.push(("PIPE_PROMOTE", pipe.to_string()));
             }
             return d;
         }
@@ -738,6 +803,30 @@ mod tests {
                 ("PIPE_PROMOTE", "2".to_string())
             ]
         );
+        // GEMM2 on the halves, GEMM1 on the quarters: no new CUBIN, each mode's is in the catalog.
+        assert_eq!(
+            FP8_BLOCK_LARGE_GEMM2_HALVES.defines(1),
+            FP8_BLOCK_LARGE.defines(1)
+        );
+        assert_eq!(
+            FP8_BLOCK_LARGE_GEMM2_HALVES.defines(2),
+            FP8_BLOCK_LARGE_HALVES.defines(2)
+        );
+        assert_ne!(
+            FP8_BLOCK_LARGE.defines(2),
+            FP8_BLOCK_LARGE_HALVES.defines(2)
+        );
+        let names: Vec<String> = variants().iter().map(KernelVariant::name).collect();
+        for mode in [1, 2] {
+            let (family, source, entry) = FP8_BLOCK_LARGE_GEMM2_HALVES.source();
+            let v = KernelVariant {
+                family,
+                source,
+                entry,
+                defines: FP8_BLOCK_LARGE_GEMM2_HALVES.defines(mode),
+            };
+            assert!(names.contains(&v.name()), "MODE {mode} not in the catalog");
+        }
         // The previous promotion: the same source without the define.
         assert_eq!(
             FP8_BLOCK_LARGE_HALVES.defines(2),
@@ -751,7 +840,8 @@ mod tests {
         for c in ALL {
             // Only the block-scaled warp-specialized kernel pipelines its promotion.
             assert!(
-                c.promote_pipe == 0 || (c.ws && c.scheme == Fp8Scheme::Block),
+                c.promote_pipe + c.promote_pipe_gemm2 == 0
+                    || (c.ws && c.scheme == Fp8Scheme::Block),
                 "{c:?}"
             );
         }
@@ -841,12 +931,38 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 25 * 8, 8),
             FP8_TENSOR_SMALL
         );
-        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), FP8_BLOCK_SCALED);
+        // Block-scaled only: 64-route swap-AB blocks from 25 to the wide range's end, then tiles.
+        let wide = SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT;
+        let swap64 = Fp8GemmConfig::swap_ab(Block, 64, swapab_stages(64));
+        assert!(
+            wide > SWAPAB_MID_ROUTES_PER_EXPERT
+                && wide <= super::super::LARGE_TILE_ROUTES_PER_EXPERT
+        );
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), swap64);
+        assert_eq!(Fp8GemmConfig::select(Block, wide * 8 - 1, 8), swap64);
+        assert_eq!(Fp8GemmConfig::select(Block, wide * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 256, 256), swap64); // DeepSeek-V3
+        assert_eq!(
+            Fp8GemmConfig::select(Block, wide * 256, 256),
+            FP8_BLOCK_SCALED
+        );
+        assert_eq!(swapab_route_block(25 * 8, 8), None);
+        assert_eq!(swapab_route_block_for(PerTensor, 25 * 8, 8), None);
+        assert_eq!(swapab_route_block_for(Block, 25 * 8, 8), Some(64));
+        assert_eq!(swapab_route_block_for(Block, 24 * 8, 8), Some(32));
+        assert_eq!(
+            Fp8GemmConfig::for_routes(Block, 64, 25 * 8, 8),
+            Some(swap64)
+        );
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), Some(swap32(Block)));
         // Routes aligned to 64 with a batch the rule gives the tiles: the tiles.
         assert_eq!(
-            Fp8GemmConfig::for_routes(Block, 64, 40 * 8, 8),
+            Fp8GemmConfig::for_routes(Block, 64, wide * 8, 8),
             Some(FP8_BLOCK_SCALED)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_routes(PerTensor, 64, 25 * 8, 8),
+            Some(FP8_TENSOR_SMALL)
         );
         assert_eq!(
             Fp8GemmConfig::for_routes(PerTensor, 32, 20 * 8, 8),
@@ -918,19 +1034,23 @@ mod tests {
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 48), None);
         // The dev promotions replace only the block-scaled large kernel.
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0)),
             FP8_BLOCK_LARGE_HALVES
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4)).defines(2)[4],
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4, 4)).defines(2)[4],
             ("PIPE_PROMOTE", "4".to_string())
         );
         assert_eq!(
-            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0)),
+            FP8_BLOCK_LARGE_GEMM2_HALVES
+        );
+        assert_eq!(
+            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0)),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1)),
+            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1, 1)),
             FP8_BLOCK_SCALED
         );
         assert_eq!(
