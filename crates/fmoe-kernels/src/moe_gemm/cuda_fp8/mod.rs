@@ -36,13 +36,17 @@
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
 //!   brings the 64-route kernels back there; from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`] = 25
 //!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
-//!   GEMM2 unsplit once its grid fills a wave;
+//!   GEMM2 unsplit once its grid fills a wave; block-scaled also from 25 to below
+//!   [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 49 with 64-route blocks
+//!   ([`swapab_route_block_for`]);
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
-//!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's four
-//!   64-row quarters into two 32-register partials in turn and promotes each while the next one
-//!   multiplies, bit-identical to the previous halves; setmaxnreg 40 / 232), A's group scales
-//!   carried in the stage by the loaders. H200: 1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`],
-//!   dev `promote-halves`) at M = 2048-16384 (BENCHMARKS.md, "block-scaled promotion").
+//!   256 tiles, promotion per 128-wide K block (GEMM1: each MMA warpgroup multiplies the tile's
+//!   four 64-row quarters into two 32-register partials in turn and promotes each while the next
+//!   one multiplies; GEMM2: two 128-row halves, each waited for and promoted; all bit-identical;
+//!   setmaxnreg 40 / 232), A's group scales carried in the stage by the loaders. H200: the quarters
+//!   1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`], dev `promote-halves`) at M = 2048-16384
+//!   (BENCHMARKS.md, "block-scaled promotion"), GEMM2 back on the halves 1.01-1.04× more
+//!   ([`FP8_BLOCK_LARGE_QUARTERS`] is quarters in both).
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
@@ -195,8 +199,11 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
-/// promoted per 128-wide K block in 64-row quarters overlapping the next quarter's MMAs (drained
-/// once per pair of K blocks), persistent (tiles claimed in grouped order from a counter).
+/// promoted per 128-wide K block; GEMM1 in 64-row quarters overlapping the next quarter's MMAs
+/// (drained once per pair of K blocks), GEMM2 in 128-row halves (ncu had the quarters 9 % faster in
+/// GEMM1, whose per-column scale choice they drop, but 4 % slower in GEMM2, which compiled without
+/// it already; H200: 1.01-1.04x over quarters in both at M = 2048-8192, BENCHMARKS.md, "GEMM2's
+/// promotion back on the halves"); persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
@@ -207,7 +214,7 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 16,
     swap_ab: false,
     promote_pipe: 2,
-    promote_pipe_gemm2: 2,
+    promote_pipe_gemm2: 0,
 };
 
 /// [`FP8_BLOCK_LARGE`] with its previous promotion: 128-row halves, each waited for and promoted
@@ -218,13 +225,10 @@ pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
     ..FP8_BLOCK_LARGE
 };
 
-/// [`FP8_BLOCK_LARGE`] with GEMM2 (MODE 2) back on the halves, GEMM1 on the quarters: ncu had the
-/// quarters 9 % faster in GEMM1 (its per-column scale choice gone) but 4 % slower in GEMM2, whose
-/// halves already compiled without the choice (BENCHMARKS.md, "block-scaled promotion"). The dev
-/// experiment "promote-gemm2-halves" of [`DEV_FP8_LARGE_ENV`]; its two CUBINs are those of
-/// [`FP8_BLOCK_LARGE`] (MODE 1) and [`FP8_BLOCK_LARGE_HALVES`] (MODE 2), already in the catalog.
-pub const FP8_BLOCK_LARGE_GEMM2_HALVES: Fp8GemmConfig = Fp8GemmConfig {
-    promote_pipe_gemm2: 0,
+/// [`FP8_BLOCK_LARGE`] with the quarters in GEMM2 too (the previous default). The dev experiment
+/// "promote-drain2" of [`DEV_FP8_LARGE_ENV`].
+pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe_gemm2: 2,
     ..FP8_BLOCK_LARGE
 };
 
@@ -273,13 +277,16 @@ pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
 /// Block-scaled only: from the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below
 /// this many routes per expert on average the swap-AB kernel runs with 64-route blocks (one block
-/// per SM, GEMM2 unsplit) instead of the 64-row tiles ([`swapab_route_block_for`]). Why only this
-/// scheme: the block tile kernel's 64-row tiles pay the per-K-block promotion of a 64 × 256 tile
-/// with 2 warpgroups (each weight byte streamed once per 64 routes and promoted there), while
-/// swap-AB's promote per weight row and stream the weights through a deeper TMA ring; bf16 and
-/// per-tensor tiles have no promotion to pay and win from 25 on (BENCHMARKS.md, "swap-AB with
-/// 32-route blocks" table 3 and "64-route swap-AB for block-scaled fp8").
-pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 41;
+/// per SM, a 5-deep TMA ring, GEMM2 unsplit) instead of the 64-row tiles
+/// ([`swapab_route_block_for`]). Why only this scheme: the block tile kernel's 64-row tiles pay
+/// the per-K-block promotion on the MMA warps' critical path, while swap-AB's stream the weights
+/// through TMA with the promotion under the loads; bf16 and per-tensor tiles have no promotion to
+/// pay and beat 64-route blocks from 25 on (1.02-1.06x at 32 routes per expert). H200
+/// (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled fp8"): 1.05-1.09x faster on
+/// DeepSeek-V3 at 28-48 routes per expert, 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the
+/// 32-route blocks stay); at 64 per expert 1.16-1.19x slower (second blocks stream the weights
+/// again), so the range ends past 48, the largest measured win.
+pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 49;
 
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
 /// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
@@ -403,9 +410,9 @@ fn dev_swapab_bn() -> Option<usize> {
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
 /// only block kernel before); `promote-halves` runs the block-scaled warp-specialized kernel with
-/// its previous promotion ([`FP8_BLOCK_LARGE_HALVES`]), `promote-gemm2-halves` the quarters in
-/// GEMM1 and the halves in GEMM2 ([`FP8_BLOCK_LARGE_GEMM2_HALVES`]) and `promote-drain1|2|4` with quarters
-/// drained every 1, 2 or 4 K blocks ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
+/// the halves in both GEMMs ([`FP8_BLOCK_LARGE_HALVES`]), `promote-gemm2-halves` the default
+/// (quarters in GEMM1, halves in GEMM2) and `promote-drain1|2|4` with quarters in both GEMMs
+/// drained every 1, 2 or 4 K blocks (2: [`FP8_BLOCK_LARGE_QUARTERS`], the previous default) ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
 /// compiled when used), so one binary can time and test them all (read once per process; not a
 /// user setting; "default" or unset = the warp-specialized kernels as selected).
 pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
@@ -472,7 +479,7 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 14] = [
+pub(super) const ALL: [Fp8GemmConfig; 15] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
     Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages(32)),
@@ -486,32 +493,33 @@ pub(super) const ALL: [Fp8GemmConfig; 14] = [
     FP8_TENSOR_SYNC,
     FP8_BLOCK_SCALED,
     FP8_BLOCK_LARGE,
+    FP8_BLOCK_LARGE_QUARTERS,
     FP8_BLOCK_LARGE_HALVES,
 ];
 
-/// [`ALL`], both modes, as catalog entries.
+/// [`ALL`], both modes, as catalog entries (once each: the block-scaled large variants share
+/// one mode's CUBIN pairwise, as their promotion is chosen per mode).
 pub(super) fn variants() -> Vec<KernelVariant> {
-    let mut v = Vec::new();
+    let mut v: Vec<KernelVariant> = Vec::new();
     for cfg in ALL {
         let (family, source, entry) = cfg.source();
-        for mode in [1, 2] {
-            v.push(KernelVariant {
-                family,
-                source,
-                entry,
-                defines: cfg.defines(mode),
-            });
-        }
+        let mut all = vec![cfg.defines(1), cfg.defines(2)];
         // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
         if cfg.ws {
             let mut defines = cfg.defines(2);
             defines.push(super::cuda::route_rows_define());
-            v.push(KernelVariant {
+            all.push(defines);
+        }
+        for defines in all {
+            let kv = KernelVariant {
                 family,
                 source,
                 entry,
                 defines,
-            });
+            };
+            if !v.iter().any(|x| x.name() == kv.name()) {
+                v.push(kv);
+            }
         }
     }
     v
@@ -803,30 +811,48 @@ mod tests {
                 ("PIPE_PROMOTE", "2".to_string())
             ]
         );
-        // GEMM2 on the halves, GEMM1 on the quarters: no new CUBIN, each mode's is in the catalog.
+        // The default: GEMM1 on the quarters, GEMM2 on the halves; the quarters in GEMM2 stay a
+        // catalog variant (the previous default), each CUBIN listed once.
         assert_eq!(
-            FP8_BLOCK_LARGE_GEMM2_HALVES.defines(1),
+            FP8_BLOCK_LARGE_QUARTERS.defines(1),
             FP8_BLOCK_LARGE.defines(1)
         );
         assert_eq!(
-            FP8_BLOCK_LARGE_GEMM2_HALVES.defines(2),
-            FP8_BLOCK_LARGE_HALVES.defines(2)
-        );
-        assert_ne!(
             FP8_BLOCK_LARGE.defines(2),
             FP8_BLOCK_LARGE_HALVES.defines(2)
         );
+        assert_eq!(
+            FP8_BLOCK_LARGE_QUARTERS.defines(2)[4],
+            ("PIPE_PROMOTE", "2".to_string())
+        );
         let names: Vec<String> = variants().iter().map(KernelVariant::name).collect();
-        for mode in [1, 2] {
-            let (family, source, entry) = FP8_BLOCK_LARGE_GEMM2_HALVES.source();
-            let v = KernelVariant {
-                family,
-                source,
-                entry,
-                defines: FP8_BLOCK_LARGE_GEMM2_HALVES.defines(mode),
-            };
-            assert!(names.contains(&v.name()), "MODE {mode} not in the catalog");
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "duplicate catalog entries");
+        for cfg in [
+            FP8_BLOCK_LARGE,
+            FP8_BLOCK_LARGE_QUARTERS,
+            FP8_BLOCK_LARGE_HALVES,
+        ] {
+            let (family, source, entry) = cfg.source();
+            for mode in [1, 2] {
+                let v = KernelVariant {
+                    family,
+                    source,
+                    entry,
+                    defines: cfg.defines(mode),
+                };
+                assert!(
+                    names.contains(&v.name()),
+                    "{cfg:?} MODE {mode} not in the catalog"
+                );
+            }
         }
+        // 3 block-scaled large schedules x (2 modes + GEMM2 with per-route rows): 6 CUBINs.
+        let ws_block = names
+            .iter()
+            .filter(|n| n.starts_with(&format!("{WS_FAMILY}/{BLOCK_ENTRY}[")))
+            .count();
+        assert_eq!(ws_block, 6);
         // The previous promotion: the same source without the define.
         assert_eq!(
             FP8_BLOCK_LARGE_HALVES.defines(2),
@@ -1043,7 +1069,11 @@ mod tests {
         );
         assert_eq!(
             with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0)),
-            FP8_BLOCK_LARGE_GEMM2_HALVES
+            FP8_BLOCK_LARGE
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 2)),
+            FP8_BLOCK_LARGE_QUARTERS
         );
         assert_eq!(
             with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0)),
