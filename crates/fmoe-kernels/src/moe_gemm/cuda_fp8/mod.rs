@@ -261,7 +261,8 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
 /// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16 and 32 run
-/// by the rule; 64 and 128 only through [`DEV_SWAPAB_BN_ENV`].
+/// by the rule, 64 by the block-scaled rule only ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]); 128
+/// only through [`DEV_SWAPAB_BN_ENV`].
 pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 
 /// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
@@ -270,9 +271,9 @@ pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 /// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
 /// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
 /// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
-/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) win only
-/// DeepSeek-V3 fp8-block at 32 routes per expert (1.07x) and lose or tie elsewhere (up to 1.23x
-/// slower at 64 per expert than the 128-row tiles), so the rule does not use them.
+/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) lose or tie
+/// for bf16 and per-tensor fp8 (up to 1.28x slower at 64 per expert than the 128-row tiles);
+/// block-scaled fp8 takes 64-route blocks from here ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]).
 pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
 /// Block-scaled only: from the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below
@@ -281,7 +282,7 @@ pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 /// ([`swapab_route_block_for`]). Why only this scheme: the block tile kernel's 64-row tiles pay
 /// the per-K-block promotion on the MMA warps' critical path, while swap-AB's stream the weights
 /// through TMA with the promotion under the loads; bf16 and per-tensor tiles have no promotion to
-/// pay and beat 64-route blocks from 25 on (1.02-1.06x at 32 routes per expert). H200
+/// pay and beat 64-route blocks there (1.01-1.03x at 32 routes per expert, 1.09-1.28x at 64). H200
 /// (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled fp8"): 1.05-1.09x faster on
 /// DeepSeek-V3 at 28-48 routes per expert, 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the
 /// 32-route blocks stay); at 64 per expert 1.16-1.19x slower (second blocks stream the weights
@@ -289,7 +290,7 @@ pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 49;
 
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
-/// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
+/// tile kernels run, for bf16 and per-tensor fp8 (block-scaled: [`swapab_route_block_for`]): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
 /// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
 /// [`DEV_SWAPAB_BN_ENV`] forces the block, `FMOE_DEV_SWAPAB_ROUTES` moves the
 /// upper end of the range.
