@@ -12,7 +12,7 @@ use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::elementwise;
 use fmoe_kernels::moe_align::{AlignedRoutes, align_routes, capacity};
-use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, CUDA_BLOCK_M, WeightOperand};
+use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, CUDA_BLOCK_M, Fp8Scheme, WeightOperand};
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -364,22 +364,33 @@ fn bf16_grouped_gemms_match_the_cpu_twin_at_every_m_tile() {
     }
 }
 
+/// The swap-AB route block the rule picks for `quant`'s kernels (block-scaled fp8 also runs
+/// 64-route blocks past the 32-route range).
+fn route_block(quant: ActQuant, num_routes: usize, e: usize) -> Option<usize> {
+    match quant {
+        ActQuant::Fp8Group => moe_gemm::swapab_route_block_for(Fp8Scheme::Block, num_routes, e),
+        _ => moe_gemm::swapab_route_block(num_routes, e),
+    }
+}
+
 /// Smallest and largest M (up to `max_m`) at which the rule runs swap-AB route blocks of `bn`
-/// for `top_k` routes per token over `e` experts (the same rule for every method).
+/// for `top_k` routes per token over `e` experts with `quant`'s kernels.
 fn m_range_for_route_block(
+    quant: ActQuant,
     bn: usize,
     top_k: usize,
     e: usize,
     max_m: usize,
 ) -> Option<(usize, usize)> {
     let ms: Vec<usize> = (1..=max_m)
-        .filter(|m| moe_gemm::swapab_route_block(m * top_k, e) == Some(bn))
+        .filter(|m| route_block(quant, m * top_k, e) == Some(bn))
         .collect();
     Some((*ms.first()?, *ms.last()?))
 }
 
 /// The swap-AB GEMMs at every route block the rule picks (16 and 32 routes per block = wgmma N;
-/// 64 and 128 when the dev knobs force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
+/// block-scaled fp8 also 64 up to [`moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per
+/// expert; 64 and 128 everywhere when the dev knobs force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
 /// range, against the CPU twin on the same operands: 8 experts of which only 3 are routed to (5
 /// with 0 routes, the routed ones with 2.7x the mean, so several ragged blocks each) and E = 1
 /// (every route in one expert); K and N not multiples of 128 (fp8: K = 272, N = 1040; bf16: K =
@@ -431,9 +442,27 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
             };
             let (w13g, w2g) = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
             for bn in moe_gemm::SWAPAB_ROUTE_BLOCKS {
-                let Some((lo, hi)) = m_range_for_route_block(bn, top_k, e, 400) else {
+                let Some((lo, hi)) = m_range_for_route_block(quant, bn, top_k, e, 400) else {
                     continue;
                 };
+                // The range is contiguous and its neighbours run another block (or the tiles).
+                for m in lo..=hi {
+                    assert_eq!(
+                        route_block(quant, m * top_k, e),
+                        Some(bn),
+                        "{quant:?} M={m}"
+                    );
+                }
+                for m in [lo - 1, hi + 1]
+                    .into_iter()
+                    .filter(|m| (1..=400).contains(m))
+                {
+                    assert_ne!(
+                        route_block(quant, m * top_k, e),
+                        Some(bn),
+                        "{quant:?} M={m}"
+                    );
+                }
                 for m in BTreeSet::from([lo, hi]) {
                     let what = format!("{quant:?} E={e} M={m} route block {bn}");
                     let block_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &w13g).unwrap();
@@ -494,8 +523,16 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
     let forced: Option<usize> = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
         .ok()
         .and_then(|v| v.parse().ok());
+    // Block-scaled: 64-route blocks too, up to the wide range's end (const or dev knob).
+    let wide_end = std::env::var(moe_gemm::DEV_SWAPAB_WIDE_ROUTES_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT);
     for q in ["None", "Fp8PerTensor", "Fp8Group"] {
         let blocks = match forced {
+            None if q == "Fp8Group" && wide_end > moe_gemm::SWAPAB_MID_ROUTES_PER_EXPERT => {
+                vec![16, 32, 64]
+            }
             None => vec![16, 32],
             Some(bn) => vec![bn],
         };

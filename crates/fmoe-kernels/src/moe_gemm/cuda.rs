@@ -297,9 +297,12 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
+/// `FMOE_DEV_SWAPAB_WIDE_ROUTES=<n>` the upper end of the block-scaled 64-route range (at or below
+/// the swap-AB range's end: none);
 /// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor (swap-AB's too).
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
 pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
+pub const DEV_SWAPAB_WIDE_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_WIDE_ROUTES";
 pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
 
 fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Option<usize> {
@@ -326,6 +329,13 @@ pub(super) fn large_tile_routes_per_expert() -> usize {
 pub(super) fn swapab_routes_per_expert() -> Option<usize> {
     static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV)
+}
+
+/// The [`DEV_SWAPAB_WIDE_ROUTES_ENV`] override of the block-scaled 64-route range's upper end
+/// ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT)).
+pub(super) fn swapab_wide_routes_per_expert() -> Option<usize> {
+    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    dev_knob(&CELL, DEV_SWAPAB_WIDE_ROUTES_ENV)
 }
 
 impl GemmConfig {

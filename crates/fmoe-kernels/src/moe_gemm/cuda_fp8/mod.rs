@@ -36,13 +36,17 @@
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
 //!   brings the 64-route kernels back there; from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`] = 25
 //!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
-//!   GEMM2 unsplit once its grid fills a wave;
+//!   GEMM2 unsplit once its grid fills a wave; block-scaled also from 25 to below
+//!   [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 49 with 64-route blocks
+//!   ([`swapab_route_block_for`]);
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
-//!   256 tiles, promotion per 128-wide K block (each MMA warpgroup multiplies the tile's four
-//!   64-row quarters into two 32-register partials in turn and promotes each while the next one
-//!   multiplies, bit-identical to the previous halves; setmaxnreg 40 / 232), A's group scales
-//!   carried in the stage by the loaders. H200: 1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`],
-//!   dev `promote-halves`) at M = 2048-16384 (BENCHMARKS.md, "block-scaled promotion").
+//!   256 tiles, promotion per 128-wide K block (GEMM1: each MMA warpgroup multiplies the tile's
+//!   four 64-row quarters into two 32-register partials in turn and promotes each while the next
+//!   one multiplies; GEMM2: two 128-row halves, each waited for and promoted; all bit-identical;
+//!   setmaxnreg 40 / 232), A's group scales carried in the stage by the loaders. H200: the quarters
+//!   1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`], dev `promote-halves`) at M = 2048-16384
+//!   (BENCHMARKS.md, "block-scaled promotion"), GEMM2 back on the halves 1.01-1.04× more
+//!   ([`FP8_BLOCK_LARGE_QUARTERS`] is quarters in both).
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
@@ -91,7 +95,9 @@ mod launch;
 mod support;
 mod unfused;
 
-use super::cuda::{large_tile_routes_per_expert, swapab_routes_per_expert};
+use super::cuda::{
+    large_tile_routes_per_expert, swapab_routes_per_expert, swapab_wide_routes_per_expert,
+};
 use crate::catalog::KernelVariant;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
@@ -132,8 +138,12 @@ pub struct Fp8GemmConfig {
     /// Block-scaled `ws` only, how the promotion meets the MMAs (`-D PIPE_PROMOTE`): 0 = each
     /// warpgroup multiplies a 128-row half, waits and promotes it (tensor cores idle meanwhile
     /// unless the other warpgroup multiplies); p = 1, 2, 4 = 64-row quarters, each promoted while
-    /// the next one multiplies, the wgmma pipe drained once per p K blocks.
+    /// the next one multiplies, the wgmma pipe drained once per p K blocks. GEMM1 (MODE 1) only
+    /// where [`Self::promote_pipe_gemm2`] differs.
     pub promote_pipe: usize,
+    /// `promote_pipe` of GEMM2 (MODE 2): the two modes compile separately, so each can take the
+    /// schedule that suits it.
+    pub promote_pipe_gemm2: usize,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -147,6 +157,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
@@ -161,6 +172,7 @@ pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 16,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
@@ -183,11 +195,15 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: false,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
-/// promoted per 128-wide K block in 64-row quarters overlapping the next quarter's MMAs (drained
-/// once per pair of K blocks), persistent (tiles claimed in grouped order from a counter).
+/// promoted per 128-wide K block; GEMM1 in 64-row quarters overlapping the next quarter's MMAs
+/// (drained once per pair of K blocks), GEMM2 in 128-row halves (ncu had the quarters 9 % faster in
+/// GEMM1, whose per-column scale choice they drop, but 4 % slower in GEMM2, which compiled without
+/// it already; H200: 1.01-1.04x over quarters in both at M = 2048-8192, BENCHMARKS.md, "GEMM2's
+/// promotion back on the halves"); persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
@@ -198,12 +214,21 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 16,
     swap_ab: false,
     promote_pipe: 2,
+    promote_pipe_gemm2: 0,
 };
 
 /// [`FP8_BLOCK_LARGE`] with its previous promotion: 128-row halves, each waited for and promoted
 /// before the next one is issued. The dev experiment "promote-halves" of [`DEV_FP8_LARGE_ENV`].
 pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
+    ..FP8_BLOCK_LARGE
+};
+
+/// [`FP8_BLOCK_LARGE`] with the quarters in GEMM2 too (the previous default). The dev experiment
+/// "promote-drain2" of [`DEV_FP8_LARGE_ENV`].
+pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe_gemm2: 2,
     ..FP8_BLOCK_LARGE
 };
 
@@ -221,6 +246,7 @@ pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     raster_gm: 0,
     swap_ab: true,
     promote_pipe: 0,
+    promote_pipe_gemm2: 0,
 };
 
 /// Block-scaled, few routes per expert: the swap-AB kernel with `BLOCK_SCALED=1`.
@@ -235,7 +261,8 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
 /// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16 and 32 run
-/// by the rule; 64 and 128 only through [`DEV_SWAPAB_BN_ENV`].
+/// by the rule, 64 by the block-scaled rule only ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]); 128
+/// only through [`DEV_SWAPAB_BN_ENV`].
 pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 
 /// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
@@ -244,13 +271,26 @@ pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 /// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
 /// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
 /// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
-/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) win only
-/// DeepSeek-V3 fp8-block at 32 routes per expert (1.07x) and lose or tie elsewhere (up to 1.23x
-/// slower at 64 per expert than the 128-row tiles), so the rule does not use them.
+/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) lose or tie
+/// for bf16 and per-tensor fp8 (up to 1.28x slower at 64 per expert than the 128-row tiles);
+/// block-scaled fp8 takes 64-route blocks from here ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]).
 pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
+/// Block-scaled only: from the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below
+/// this many routes per expert on average the swap-AB kernel runs with 64-route blocks (one block
+/// per SM, a 5-deep TMA ring, GEMM2 unsplit) instead of the 64-row tiles
+/// ([`swapab_route_block_for`]). Why only this scheme: the block tile kernel's 64-row tiles pay
+/// the per-K-block promotion on the MMA warps' critical path, while swap-AB's stream the weights
+/// through TMA with the promotion under the loads; bf16 and per-tensor tiles have no promotion to
+/// pay and beat 64-route blocks there (1.01-1.03x at 32 routes per expert, 1.09-1.28x at 64). H200
+/// (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled fp8"): 1.05-1.09x faster on
+/// DeepSeek-V3 at 28-48 routes per expert, 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the
+/// 32-route blocks stay); at 64 per expert 1.16-1.19x slower (second blocks stream the weights
+/// again), so the range ends past 48, the largest measured win.
+pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 49;
+
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
-/// tile kernels run, for every method (bf16 and both fp8 schemes measured alike): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
+/// tile kernels run, for bf16 and per-tensor fp8 (block-scaled: [`swapab_route_block_for`]): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
 /// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
 /// [`DEV_SWAPAB_BN_ENV`] forces the block, `FMOE_DEV_SWAPAB_ROUTES` moves the
 /// upper end of the range.
@@ -269,6 +309,30 @@ pub fn swapab_route_block(num_routes: usize, experts: usize) -> Option<usize> {
     } else {
         32
     })
+}
+
+/// [`swapab_route_block`] for an fp8 scheme: block-scaled batches also from its range's end up to
+/// below [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per expert with 64-route blocks (dev:
+/// `FMOE_DEV_SWAPAB_WIDE_ROUTES` moves that end; [`DEV_SWAPAB_BN_ENV`] forces the block here too).
+pub fn swapab_route_block_for(
+    scheme: Fp8Scheme,
+    num_routes: usize,
+    experts: usize,
+) -> Option<usize> {
+    if let Some(bn) = swapab_route_block(num_routes, experts) {
+        return Some(bn);
+    }
+    if scheme != Fp8Scheme::Block {
+        return None;
+    }
+    dev_swapab()?;
+    let experts = experts.max(1);
+    let lo = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
+    let hi = swapab_wide_routes_per_expert().unwrap_or(SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT);
+    if num_routes < lo * experts || num_routes >= hi * experts {
+        return None;
+    }
+    Some(dev_swapab_bn().unwrap_or(64))
 }
 
 /// Threads of a swap-AB block with route block `bn`: two MMA warpgroups and one loader warp, a
@@ -347,8 +411,9 @@ fn dev_swapab_bn() -> Option<usize> {
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
 /// only block kernel before); `promote-halves` runs the block-scaled warp-specialized kernel with
-/// its previous promotion ([`FP8_BLOCK_LARGE_HALVES`]) and `promote-drain1|2|4` with quarters
-/// drained every 1, 2 or 4 K blocks ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
+/// the halves in both GEMMs ([`FP8_BLOCK_LARGE_HALVES`]), `promote-gemm2-halves` the default
+/// (quarters in GEMM1, halves in GEMM2) and `promote-drain1|2|4` with quarters in both GEMMs
+/// drained every 1, 2 or 4 K blocks (2: [`FP8_BLOCK_LARGE_QUARTERS`], the previous default) ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
 /// compiled when used), so one binary can time and test them all (read once per process; not a
 /// user setting; "default" or unset = the warp-specialized kernels as selected).
 pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
@@ -358,8 +423,8 @@ pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
 enum DevLarge {
     Default,
     Sync,
-    /// The block-scaled large kernel with this `promote_pipe`.
-    Promote(usize),
+    /// The block-scaled large kernel with these `promote_pipe` (GEMM1, GEMM2).
+    Promote(usize, usize),
 }
 
 /// [`DEV_FP8_LARGE_ENV`] (an unknown value is reported once on stderr and ignored).
@@ -368,14 +433,16 @@ fn dev_large() -> DevLarge {
     *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
         Err(_) | Ok("default") => DevLarge::Default,
         Ok("sync") => DevLarge::Sync,
-        Ok("promote-halves") => DevLarge::Promote(0),
-        Ok("promote-drain1") => DevLarge::Promote(1),
-        Ok("promote-drain2") => DevLarge::Promote(2),
-        Ok("promote-drain4") => DevLarge::Promote(4),
+        Ok("promote-halves") => DevLarge::Promote(0, 0),
+        Ok("promote-drain1") => DevLarge::Promote(1, 1),
+        Ok("promote-drain2") => DevLarge::Promote(2, 2),
+        Ok("promote-drain4") => DevLarge::Promote(4, 4),
+        Ok("promote-gemm2-halves") => DevLarge::Promote(2, 0),
         Ok(other) => {
             eprintln!(
                 "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
-                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\"]; \
+                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
+                 \"promote-gemm2-halves\"]; \
                  using the default"
             );
             DevLarge::Default
@@ -390,8 +457,9 @@ fn dev_sync() -> bool {
 /// `cfg` with the promotion [`DEV_FP8_LARGE_ENV`] asks for, when it is the block-scaled large one.
 fn with_dev_promote(cfg: Fp8GemmConfig, dev: DevLarge) -> Fp8GemmConfig {
     match dev {
-        DevLarge::Promote(p) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
-            promote_pipe: p,
+        DevLarge::Promote(p1, p2) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
+            promote_pipe: p1,
+            promote_pipe_gemm2: p2,
             ..cfg
         },
         _ => cfg,
@@ -412,7 +480,7 @@ use super::cuda::SWAPAB_SRC;
 pub const FP8_K_MULTIPLE: usize = 16;
 
 /// Every fp8 GEMM variant (both modes); the glue kernels are listed with the bf16 ones.
-pub(super) const ALL: [Fp8GemmConfig; 14] = [
+pub(super) const ALL: [Fp8GemmConfig; 15] = [
     FP8_TENSOR_SWAPAB,
     FP8_BLOCK_SWAPAB,
     Fp8GemmConfig::swap_ab(Fp8Scheme::PerTensor, 32, swapab_stages(32)),
@@ -426,32 +494,33 @@ pub(super) const ALL: [Fp8GemmConfig; 14] = [
     FP8_TENSOR_SYNC,
     FP8_BLOCK_SCALED,
     FP8_BLOCK_LARGE,
+    FP8_BLOCK_LARGE_QUARTERS,
     FP8_BLOCK_LARGE_HALVES,
 ];
 
-/// [`ALL`], both modes, as catalog entries.
+/// [`ALL`], both modes, as catalog entries (once each: the block-scaled large variants share
+/// one mode's CUBIN pairwise, as their promotion is chosen per mode).
 pub(super) fn variants() -> Vec<KernelVariant> {
-    let mut v = Vec::new();
+    let mut v: Vec<KernelVariant> = Vec::new();
     for cfg in ALL {
         let (family, source, entry) = cfg.source();
-        for mode in [1, 2] {
-            v.push(KernelVariant {
-                family,
-                source,
-                entry,
-                defines: cfg.defines(mode),
-            });
-        }
+        let mut all = vec![cfg.defines(1), cfg.defines(2)];
         // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
         if cfg.ws {
             let mut defines = cfg.defines(2);
             defines.push(super::cuda::route_rows_define());
-            v.push(KernelVariant {
+            all.push(defines);
+        }
+        for defines in all {
+            let kv = KernelVariant {
                 family,
                 source,
                 entry,
                 defines,
-            });
+            };
+            if !v.iter().any(|x| x.name() == kv.name()) {
+                v.push(kv);
+            }
         }
     }
     v
@@ -460,7 +529,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
 impl Fp8GemmConfig {
     /// The variant for `num_routes` routes over `experts` experts (see the module docs).
     pub fn select(scheme: Fp8Scheme, num_routes: usize, experts: usize) -> Fp8GemmConfig {
-        if let Some(bn) = swapab_route_block(num_routes, experts) {
+        if let Some(bn) = swapab_route_block_for(scheme, num_routes, experts) {
             return Self::swap_ab(scheme, bn, swapab_stages_for(bn));
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
@@ -605,8 +674,13 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("RASTER_GM", self.raster_gm.to_string()));
-            if self.promote_pipe > 0 {
-                d.push(("PIPE_PROMOTE", self.promote_pipe.to_string()));
+            let pipe = if mode == 2 {
+                self.promote_pipe_gemm2
+            } else {
+                self.promote_pipe
+            };
+            if pipe > 0 {
+                d.push(("PIPE_PROMOTE", pipe.to_string()));
             }
             return d;
         }
@@ -738,6 +812,48 @@ mod tests {
                 ("PIPE_PROMOTE", "2".to_string())
             ]
         );
+        // The default: GEMM1 on the quarters, GEMM2 on the halves; the quarters in GEMM2 stay a
+        // catalog variant (the previous default), each CUBIN listed once.
+        assert_eq!(
+            FP8_BLOCK_LARGE_QUARTERS.defines(1),
+            FP8_BLOCK_LARGE.defines(1)
+        );
+        assert_eq!(
+            FP8_BLOCK_LARGE.defines(2),
+            FP8_BLOCK_LARGE_HALVES.defines(2)
+        );
+        assert_eq!(
+            FP8_BLOCK_LARGE_QUARTERS.defines(2)[4],
+            ("PIPE_PROMOTE", "2".to_string())
+        );
+        let names: Vec<String> = variants().iter().map(KernelVariant::name).collect();
+        let unique: std::collections::BTreeSet<&String> = names.iter().collect();
+        assert_eq!(unique.len(), names.len(), "duplicate catalog entries");
+        for cfg in [
+            FP8_BLOCK_LARGE,
+            FP8_BLOCK_LARGE_QUARTERS,
+            FP8_BLOCK_LARGE_HALVES,
+        ] {
+            let (family, source, entry) = cfg.source();
+            for mode in [1, 2] {
+                let v = KernelVariant {
+                    family,
+                    source,
+                    entry,
+                    defines: cfg.defines(mode),
+                };
+                assert!(
+                    names.contains(&v.name()),
+                    "{cfg:?} MODE {mode} not in the catalog"
+                );
+            }
+        }
+        // 3 block-scaled large schedules x (2 modes + GEMM2 with per-route rows): 6 CUBINs.
+        let ws_block = names
+            .iter()
+            .filter(|n| n.starts_with(&format!("{WS_FAMILY}/{BLOCK_ENTRY}[")))
+            .count();
+        assert_eq!(ws_block, 6);
         // The previous promotion: the same source without the define.
         assert_eq!(
             FP8_BLOCK_LARGE_HALVES.defines(2),
@@ -751,7 +867,8 @@ mod tests {
         for c in ALL {
             // Only the block-scaled warp-specialized kernel pipelines its promotion.
             assert!(
-                c.promote_pipe == 0 || (c.ws && c.scheme == Fp8Scheme::Block),
+                c.promote_pipe + c.promote_pipe_gemm2 == 0
+                    || (c.ws && c.scheme == Fp8Scheme::Block),
                 "{c:?}"
             );
         }
@@ -841,12 +958,38 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 25 * 8, 8),
             FP8_TENSOR_SMALL
         );
-        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), FP8_BLOCK_SCALED);
+        // Block-scaled only: 64-route swap-AB blocks from 25 to the wide range's end, then tiles.
+        let wide = SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT;
+        let swap64 = Fp8GemmConfig::swap_ab(Block, 64, swapab_stages(64));
+        assert!(
+            wide > SWAPAB_MID_ROUTES_PER_EXPERT
+                && wide <= super::super::LARGE_TILE_ROUTES_PER_EXPERT
+        );
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 8, 8), swap64);
+        assert_eq!(Fp8GemmConfig::select(Block, wide * 8 - 1, 8), swap64);
+        assert_eq!(Fp8GemmConfig::select(Block, wide * 8, 8), FP8_BLOCK_SCALED);
+        assert_eq!(Fp8GemmConfig::select(Block, 25 * 256, 256), swap64); // DeepSeek-V3
+        assert_eq!(
+            Fp8GemmConfig::select(Block, wide * 256, 256),
+            FP8_BLOCK_SCALED
+        );
+        assert_eq!(swapab_route_block(25 * 8, 8), None);
+        assert_eq!(swapab_route_block_for(PerTensor, 25 * 8, 8), None);
+        assert_eq!(swapab_route_block_for(Block, 25 * 8, 8), Some(64));
+        assert_eq!(swapab_route_block_for(Block, 24 * 8, 8), Some(32));
+        assert_eq!(
+            Fp8GemmConfig::for_routes(Block, 64, 25 * 8, 8),
+            Some(swap64)
+        );
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 32), Some(swap32(Block)));
         // Routes aligned to 64 with a batch the rule gives the tiles: the tiles.
         assert_eq!(
-            Fp8GemmConfig::for_routes(Block, 64, 40 * 8, 8),
+            Fp8GemmConfig::for_routes(Block, 64, wide * 8, 8),
             Some(FP8_BLOCK_SCALED)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_routes(PerTensor, 64, 25 * 8, 8),
+            Some(FP8_TENSOR_SMALL)
         );
         assert_eq!(
             Fp8GemmConfig::for_routes(PerTensor, 32, 20 * 8, 8),
@@ -918,19 +1061,27 @@ mod tests {
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 48), None);
         // The dev promotions replace only the block-scaled large kernel.
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0)),
             FP8_BLOCK_LARGE_HALVES
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4)).defines(2)[4],
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4, 4)).defines(2)[4],
             ("PIPE_PROMOTE", "4".to_string())
         );
         assert_eq!(
-            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0)),
+            FP8_BLOCK_LARGE
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 2)),
+            FP8_BLOCK_LARGE_QUARTERS
+        );
+        assert_eq!(
+            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0)),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1)),
+            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1, 1)),
             FP8_BLOCK_SCALED
         );
         assert_eq!(
