@@ -34,7 +34,7 @@
 //   the order of moe_gemm/cpu.rs. acc (128) + partial (64) do not fit the 168 registers of 384
 //   threads: setmaxnreg gives the loaders 40 and the MMA warpgroups 232 (the warpgroup that is
 //   promoting leaves the tensor cores to the other).
-//   PIPE_PROMOTE = p > 0 (1, 2 or 4; the default variant: 2): the partial is split into two
+//   PIPE_PROMOTE = p > 0 (1, 2 or 4; the default: 2 for GEMM1, 0 for GEMM2): the partial is split into two
 //   32-register quarters (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is
 //   issued before quarter q is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's
 //   own MMAs run under its promotion; same products, same fmaf, same order (bit-identical to
@@ -43,7 +43,8 @@
 //   and drains once per iteration (the last quarter is promoted alone). H200 (BENCHMARKS.md,
 //   "promotion pipelined over 64-row quarters"): 1.03-1.08x the halves per layer at M >= 2048;
 //   ncu: the wgmma waits leave the stall samples, the wgmma issue (A re-read per quarter) and
-//   the promotion's issue slots stay, GEMM2 alone is ~4 % slower.
+//   the promotion's issue slots stay, GEMM2 alone is ~4 % slower, so GEMM2 keeps the halves
+//   (1.01-1.04x per layer, "64-route swap-AB blocks ... GEMM2's promotion back on the halves").
 //   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
 //   the same arrival) into the stage; the MMA warps read the expert's four weight-block scales of
 //   the K block from global memory before waiting for the stage. A half (or quarter) whose rows
