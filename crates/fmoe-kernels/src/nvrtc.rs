@@ -78,6 +78,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/common/k_split.cuh"),
     ),
     ("common/math.cuh", include_str!("../cuda/common/math.cuh")),
+    ("common/pdl.cuh", include_str!("../cuda/common/pdl.cuh")),
     (
         "common/moe_epilogue.cuh",
         include_str!("../cuda/common/moe_epilogue.cuh"),
