@@ -198,7 +198,7 @@ impl<'a> PdlLaunch<'a> {
         &mut self,
         cfg: LaunchConfig,
     ) -> std::result::Result<(), DriverError> {
-        // An invalid FMOE_DEV_PDL launches without PDL here; `pdl_enabled` reports it to callers.
+        // An invalid FMOE_DEV_PDL never gets here: `nvrtc::load`, which gave `func`, reports it.
         let pdl = pdl_enabled(self.backend).unwrap_or(false);
         let mut params: Vec<*mut c_void> = self
             .params

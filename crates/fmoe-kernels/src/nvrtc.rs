@@ -220,6 +220,9 @@ pub fn load(
     entry: &str,
     defines: &[(&str, String)],
 ) -> Result<CudaFunction> {
+    // An invalid FMOE_DEV_PDL stops every kernel load with the switch's error (PdlLaunch itself
+    // cannot report it through the driver's error type).
+    crate::launch::pdl_enabled(backend)?;
     let spec = KernelSpec {
         family,
         source,
