@@ -165,11 +165,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
         for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
-            const PipeTile tc = pipe_tile(t, n_tiles, m_blocks, RASTER_GM);
-            const unsigned int m0 = tc.m_block * BM;
-            const unsigned int first = tc.split * per_split;
-            const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
-            if (m0 >= m_total || ktiles == 0) continue;
+            const TileWork w = tile_work(t, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, all_ktiles);
+            if (w.idle) continue;
+            const PipeTile tc = w.tc;
+            const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
             const unsigned int e = block_experts[tc.m_block];
 #if MODE == 1
             const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * (WG_N / 2));
@@ -234,11 +233,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
     for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
-        const PipeTile tc = pipe_tile(t, n_tiles, m_blocks, RASTER_GM);
-        const unsigned int m0 = tc.m_block * BM;
-        const unsigned int first = tc.split * per_split;
-        const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
-        if (m0 >= m_total || ktiles == 0) continue;
+        const TileWork w = tile_work(t, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, all_ktiles);
+        if (w.idle) continue;
+        const PipeTile tc = w.tc;
+        const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
 
         float acc[CW_N / 2];
 #pragma unroll

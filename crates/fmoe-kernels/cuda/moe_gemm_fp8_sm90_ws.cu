@@ -251,10 +251,10 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             // Every loader has read slot claim & 1 before thread 0 may refill it (two claims later,
             // after another bar.sync).
             if (tl >= tiles) break;
-            const PipeTile tc = pipe_tile(tl, n_tiles, m_blocks, RASTER_GM);
-            const unsigned int m0 = tc.m_block * BM, first = tc.split * per_split;
-            const unsigned int ktiles = min(per_split, kblocks - min(kblocks, first));
-            if (m0 >= m_total || ktiles == 0) continue;
+            const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
+            if (w.idle) continue;
+            const PipeTile tc = w.tc;
+            const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
             const unsigned int e = block_experts[tc.m_block];
             // First weight row (within the expert) of each 128-row half of the tile.
 #if MODE == 1
@@ -328,10 +328,10 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int tl = tile_ring[claim & 1];
         warp_arrive(tempty0 + 8 * (claim & 1), lane);
         if (tl >= tiles) break;
-        const PipeTile tc = pipe_tile(tl, n_tiles, m_blocks, RASTER_GM);
-        const unsigned int m0 = tc.m_block * BM, first = tc.split * per_split;
-        const unsigned int ktiles = min(per_split, kblocks - min(kblocks, first));
-        if (m0 >= m_total || ktiles == 0) continue;
+        const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
+        if (w.idle) continue;
+        const PipeTile tc = w.tc;
+        const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
         const unsigned int e = block_experts[tc.m_block];
 #if MODE == 1
         const unsigned int n0 = tc.n_tile * (NB / 2);  // output columns n0 .. n0 + 127

@@ -58,4 +58,22 @@ __device__ __forceinline__ PipeTile pipe_tile(unsigned int t, unsigned int n_til
     return {rem / rows, m_first + rem % rows, split};
 }
 
+// A claimed tile of a persistent GEMM as its loaders and its MMA warps both decode it (they must
+// agree on which tiles are idle, or the ring's phases part): coordinates, first route row, first K
+// tile of its split and the K tiles to run; idle for an M block past the routes or a trailing
+// split with no K left, which both sides skip.
+struct TileWork {
+    PipeTile tc;
+    unsigned int m0, first, ktiles;
+    bool idle;
+};
+__device__ __forceinline__ TileWork tile_work(unsigned int t, unsigned int n_tiles, unsigned int m_blocks,
+                                              unsigned int gm, unsigned int bm, unsigned int m_total,
+                                              unsigned int per_split, unsigned int all_ktiles) {
+    const PipeTile tc = pipe_tile(t, n_tiles, m_blocks, gm);
+    const unsigned int m0 = tc.m_block * bm, first = tc.split * per_split;
+    const unsigned int ktiles = min(per_split, all_ktiles - min(all_ktiles, first));
+    return {tc, m0, first, ktiles, m0 >= m_total || ktiles == 0};
+}
+
 #endif  // FMOE_COMMON_MOE_TILE_CUH
