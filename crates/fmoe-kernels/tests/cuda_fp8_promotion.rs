@@ -23,21 +23,14 @@ use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, DEV_FP8_LARGE_ENV, Weig
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
+
+mod common;
+use common::randn;
 
 const CUDA: Device = Device::Cuda(0);
 /// Set in a child: where it writes its outputs.
 const CHILD_ENV: &str = "FMOE_TEST_PROMOTION_DUMP";
 const TEST_NAME: &str = "promotion_schedules_give_the_same_bits";
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            let v: f32 = StandardNormal.sample(rng);
-            v * scale
-        })
-        .collect()
-}
 
 fn bits(t: &Tensor, out: &mut Vec<u8>) {
     for v in t.to_f32_vec().unwrap() {

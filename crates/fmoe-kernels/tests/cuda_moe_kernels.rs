@@ -16,7 +16,9 @@ use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, CUDA_BLOCK_M, Fp8Scheme
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
+
+mod common;
+use common::{randn, rel};
 
 const CUDA: Device = Device::Cuda(0);
 
@@ -192,23 +194,6 @@ fn gemm_contract_errors_name_the_dimension_and_the_missing_kernel() {
         err.contains("fp8") && err.contains("no CUDA kernel") && err.contains("moe_gemm"),
         "{err}"
     );
-}
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| StandardNormal.sample(rng))
-        .map(|v: f32| v * scale)
-        .collect()
-}
-
-/// Relative 2-norm error of `got` against `want`.
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    let (mut d, mut w) = (0.0f64, 0.0f64);
-    for (g, x) in got.iter().zip(want) {
-        d += (f64::from(*g) - f64::from(*x)).powi(2);
-        w += f64::from(*x).powi(2);
-    }
-    (d / w.max(1e-300)).sqrt()
 }
 
 /// The fp8 grouped GEMMs (GEMM1 with SiLU⊙mul and h's quantization, GEMM2 with the weighted top-k

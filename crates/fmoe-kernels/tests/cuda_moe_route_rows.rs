@@ -13,26 +13,11 @@ use fmoe_kernels::nvrtc::trace_launches;
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
+
+mod common;
+use common::{randn, rel};
 
 const CUDA: Device = Device::Cuda(0);
-
-fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
-    (0..n)
-        .map(|_| StandardNormal.sample(rng))
-        .map(|v: f32| v * scale)
-        .collect()
-}
-
-/// Relative 2-norm error of `got` against `want`.
-fn rel(got: &[f32], want: &[f32]) -> f64 {
-    let (mut d, mut w) = (0.0f64, 0.0f64);
-    for (g, x) in got.iter().zip(want) {
-        d += (f64::from(*g) - f64::from(*x)).powi(2);
-        w += f64::from(*x).powi(2);
-    }
-    (d / w.max(1e-300)).sqrt()
-}
 
 /// The finalize kernel against its CPU twin, bit for bit (same f32 additions in the same order,
 /// one rounding): top_k = 1, 2, 8, bf16 and f32 out, some routes with an out-of-range expert id

@@ -12,6 +12,21 @@ use rand_distr::{Distribution, StandardNormal};
 
 const CPU: Device = Device::Cpu;
 
+/// The layer's output read back after the checks every GPU layer test makes: on the first CUDA
+/// device, bf16, `[m, k]`, and every value finite (a NaN or Inf is an unwritten, poisoned row).
+pub fn checked_output(y: &Tensor, m: usize, k: usize, what: &str) -> Vec<f32> {
+    assert_eq!(
+        (y.device(), y.dtype(), y.dims()),
+        (Device::Cuda(0), DType::BF16, &[m, k][..]),
+        "{what}"
+    );
+    let got = y.to_f32_vec().unwrap();
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: y[{i}] = {} (unwritten?)", got[i]);
+    }
+    got
+}
+
 pub fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|_| StandardNormal.sample(rng))
