@@ -7,6 +7,8 @@
 // Outputs are sized for the worst case (num_routes + E * (BLOCK_M - 1)); `total` tells the GEMMs
 // where the padded runs end, so the host never waits for this kernel.
 
+#include "common/pdl.cuh"
+
 extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int num_routes,
                                           unsigned int num_experts,
@@ -17,6 +19,14 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int* __restrict__ total,
                                           unsigned int* __restrict__ error_flag,
                                           unsigned int capacity) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    ids = fmoe_pdl_fresh(ids);
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);
+    block_experts = fmoe_pdl_fresh(block_experts);
+    expert_offsets = fmoe_pdl_fresh(expert_offsets);
+    expert_counts = fmoe_pdl_fresh(expert_counts);
+    total = fmoe_pdl_fresh(total);
+    error_flag = fmoe_pdl_fresh(error_flag);
     extern __shared__ unsigned int smem[];
     unsigned int* counts = smem;                    // [E]
     unsigned int* cursor = smem + num_experts;      // [E]

@@ -10,6 +10,7 @@
 // columns) of a token, grid-stride; K % 8 == 0 (checked by the host).
 
 #include <cuda_bf16.h>
+#include "common/pdl.cuh"
 
 #ifndef OUT_F32
 #define OUT_F32 0
@@ -23,6 +24,10 @@ extern "C" __global__ void fmoe_moe_finalize(const uint4* __restrict__ rows, con
 #endif
                                              unsigned long long chunks, unsigned int top_k, unsigned int k8,
                                              unsigned int num_experts) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    rows = fmoe_pdl_fresh(rows);
+    ids = fmoe_pdl_fresh(ids);
+    y = fmoe_pdl_fresh(y);
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < chunks;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long t = i / k8;

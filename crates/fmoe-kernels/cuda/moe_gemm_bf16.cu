@@ -22,6 +22,7 @@
 #include "common/k_split.cuh"
 #include "common/math.cuh"
 #include "common/mma_sm80.cuh"
+#include "common/pdl.cuh"
 
 #ifndef MODE
 #define MODE 1
@@ -48,6 +49,15 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
                    __nv_bfloat16* __restrict__ h_out,        // MODE 1: [num_routes, n_out]
                    float* __restrict__ y32,                  // MODE 2: [num_routes / top_k, n_out]
                    unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    a = fmoe_pdl_fresh(a);
+    w = fmoe_pdl_fresh(w);
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);
+    block_experts = fmoe_pdl_fresh(block_experts);
+    total = fmoe_pdl_fresh(total);
+    topk_weights = fmoe_pdl_fresh(topk_weights);
+    h_out = fmoe_pdl_fresh(h_out);
+    y32 = fmoe_pdl_fresh(y32);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     typedef __nv_bfloat16 ATile[BM][SK];
     typedef __nv_bfloat16 BTile[BN][SK];
@@ -195,6 +205,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
 // y = bf16(y32), the last step of GEMM2's reduction.
 extern "C" __global__ void fmoe_f32_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst,
                                             unsigned long long n) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    src = fmoe_pdl_fresh(src);
+    dst = fmoe_pdl_fresh(dst);
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16(src[i]);

@@ -43,6 +43,7 @@
 #include "common/moe_tile.cuh"
 #include "common/sm90_pipeline.cuh"
 #include "common/sm90_wgmma.cuh"
+#include "common/pdl.cuh"
 
 #ifndef MODE
 #define MODE 1
@@ -85,6 +86,16 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
                    unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    a = fmoe_pdl_fresh(a);
+    w = fmoe_pdl_fresh(w);
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);
+    block_experts = fmoe_pdl_fresh(block_experts);
+    total = fmoe_pdl_fresh(total);
+    topk_weights = fmoe_pdl_fresh(topk_weights);
+    h_out = fmoe_pdl_fresh(h_out);
+    y32 = fmoe_pdl_fresh(y32);
+    tile_counter = fmoe_pdl_fresh(tile_counter);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 #if DYNAMIC

@@ -41,6 +41,7 @@
 #include "common/k_split.cuh"
 #include "common/math.cuh"
 #include "common/sm90_wgmma.cuh"
+#include "common/pdl.cuh"
 
 #ifndef MODE
 #define MODE 1
@@ -66,6 +67,19 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned char* __restrict__ q_out, float* __restrict__ s_out, float* __restrict__ y32,
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out) {
+    fmoe_pdl_enter();  // first: see common/pdl.cuh
+    a = fmoe_pdl_fresh(a);
+    a_scale = fmoe_pdl_fresh(a_scale);
+    w = fmoe_pdl_fresh(w);
+    w_scale = fmoe_pdl_fresh(w_scale);
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);
+    block_experts = fmoe_pdl_fresh(block_experts);
+    total = fmoe_pdl_fresh(total);
+    topk_weights = fmoe_pdl_fresh(topk_weights);
+    q_out = fmoe_pdl_fresh(q_out);
+    s_out = fmoe_pdl_fresh(s_out);
+    y32 = fmoe_pdl_fresh(y32);
+    error_flag = fmoe_pdl_fresh(error_flag);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];
 

@@ -1,10 +1,18 @@
 //! Small helpers shared by the CUDA twins: argument conversion with errors instead of truncation,
 //! grid sizes for grid-stride kernels, access to a tensor's device storage, and the shared-memory
-//! opt-in of the big-tile kernels.
+//! opt-in of the big-tile kernels, and [`PdlLaunch`], the launch of the MoE layer's kernel chain
+//! with Programmatic Dependent Launch (`FMOE_DEV_PDL`).
 
-use fmoe_core::cuda::cudarc::driver::CudaFunction;
-use fmoe_core::cuda::cudarc::driver::sys::CUfunction_attribute;
-use fmoe_core::cuda::{CudaStorage, cuda_error};
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::sync::OnceLock;
+
+use fmoe_core::cuda::cudarc::driver::sys::{self, CUfunction_attribute};
+use fmoe_core::cuda::cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DriverError,
+    LaunchConfig,
+};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
 use fmoe_core::{Device, Storage, Tensor};
 
 use crate::{Error, Result};
@@ -66,5 +74,168 @@ pub(crate) fn cuda_storage<'a>(
             got: Device::Cpu,
         }
         .into()),
+    }
+}
+
+/// Environment switch of Programmatic Dependent Launch for the MoE layer's kernel chain.
+pub const FMOE_DEV_PDL: &str = "FMOE_DEV_PDL";
+
+/// Whether `FMOE_DEV_PDL` is on when unset: on, it measured 2-3.6 % faster at M = 1-2 for the fp8
+/// methods under graph replay on an H200 and neutral elsewhere (BENCHMARKS.md, 2026-12-01).
+const PDL_DEFAULT: bool = true;
+
+/// `FMOE_DEV_PDL`, read once per process: the switch, or the invalid value.
+fn pdl_switch() -> Result<bool> {
+    static SWITCH: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
+    SWITCH
+        .get_or_init(|| {
+            let value = std::env::var_os(FMOE_DEV_PDL).map(|v| v.to_string_lossy().into_owned());
+            fmoe_core::env::parse_switch(FMOE_DEV_PDL, value.as_deref(), PDL_DEFAULT)
+                .map_err(|_| value.unwrap_or_default())
+        })
+        .clone()
+        .map_err(|value| {
+            fmoe_core::Error::InvalidEnv {
+                var: FMOE_DEV_PDL,
+                value,
+            }
+            .into()
+        })
+}
+
+/// Whether [`PdlLaunch`] launches with Programmatic Dependent Launch on `backend`: `FMOE_DEV_PDL`
+/// (default on) and a device of compute capability 9.0 or newer (`griddepcontrol`).
+pub fn pdl_enabled(backend: &CudaBackend) -> Result<bool> {
+    Ok(pdl_switch()? && backend.compute_capability().0 >= 9)
+}
+
+/// One kernel argument of a [`PdlLaunch`]: a pointer to a value the caller keeps alive, or a
+/// device address held here.
+pub(crate) enum Param<'a> {
+    Ref(*mut c_void, PhantomData<&'a ()>),
+    Addr(Box<u64>),
+}
+
+impl<'a> Param<'a> {
+    /// A value the kernel takes by value (plain data, e.g. a tensor map), borrowed for the launch.
+    pub(crate) fn value<T>(v: &'a T) -> Param<'a> {
+        Param::Ref((v as *const T).cast_mut().cast(), PhantomData)
+    }
+}
+
+/// A kernel argument [`PdlLaunch::arg`] accepts: the plain values and device buffers of the
+/// kernel chain (concrete types: a blanket impl over cudarc's `DeviceRepr` would overlap).
+pub(crate) trait PdlArg<'a> {
+    fn param(self, stream: &CudaStream) -> Param<'a>;
+}
+
+macro_rules! pdl_value_arg {
+    ($($t:ty),*) => {$(
+        impl<'a> PdlArg<'a> for &'a $t {
+            fn param(self, _: &CudaStream) -> Param<'a> {
+                Param::value(self)
+            }
+        }
+    )*};
+}
+pdl_value_arg!(u32, i32, u64, f32, sys::CUtensorMap);
+
+impl<'a, T> PdlArg<'a> for &'a CudaSlice<T> {
+    fn param(self, stream: &CudaStream) -> Param<'a> {
+        let (ptr, _sync) = self.device_ptr(stream);
+        Param::Addr(Box::new(ptr))
+    }
+}
+
+impl<'a, T> PdlArg<'a> for &'a mut CudaSlice<T> {
+    fn param(self, stream: &CudaStream) -> Param<'a> {
+        let (ptr, _sync) = self.device_ptr_mut(stream);
+        Param::Addr(Box::new(ptr))
+    }
+}
+
+impl<'a, 'b: 'a, T> PdlArg<'a> for &'a CudaView<'b, T> {
+    fn param(self, stream: &CudaStream) -> Param<'a> {
+        let (ptr, _sync) = self.device_ptr(stream);
+        Param::Addr(Box::new(ptr))
+    }
+}
+
+/// The launch of a kernel of the MoE layer's chain (align, activation quantizations, grouped
+/// GEMMs, zero fills, finalize, cast) on the backend's stream: as cudarc's `launch_builder`, with
+/// Programmatic Dependent Launch when [`pdl_enabled`]. The kernel may then start while the
+/// previous kernel of the stream still runs; every kernel launched so begins with
+/// `fmoe_pdl_enter()` (`cuda/common/pdl.cuh`), which waits for the previous kernel to complete
+/// before any memory access. A captured graph keeps the launch as a programmatic edge.
+pub(crate) struct PdlLaunch<'a> {
+    backend: &'a CudaBackend,
+    func: &'a CudaFunction,
+    params: Vec<Param<'a>>,
+}
+
+impl<'a> PdlLaunch<'a> {
+    pub(crate) fn new(backend: &'a CudaBackend, func: &'a CudaFunction) -> Self {
+        PdlLaunch {
+            backend,
+            func,
+            params: Vec::new(),
+        }
+    }
+
+    pub(crate) fn arg<A: PdlArg<'a>>(&mut self, a: A) -> &mut Self {
+        let p = a.param(self.backend.stream());
+        self.params.push(p);
+        self
+    }
+
+    /// Launches with `cfg`.
+    ///
+    /// # Safety
+    /// As cudarc's `LaunchArgs::launch`: the arguments match the kernel's parameters in order and
+    /// type and every pointer is valid for what the kernel does with it; the kernel begins with
+    /// `fmoe_pdl_enter()`.
+    pub(crate) unsafe fn launch(
+        &mut self,
+        cfg: LaunchConfig,
+    ) -> std::result::Result<(), DriverError> {
+        // An invalid FMOE_DEV_PDL never gets here: `nvrtc::load`, which gave `func`, reports it.
+        let pdl = pdl_enabled(self.backend).unwrap_or(false);
+        let mut params: Vec<*mut c_void> = self
+            .params
+            .iter_mut()
+            .map(|p| match p {
+                Param::Ref(ptr, _) => *ptr,
+                Param::Addr(b) => (&mut **b as *mut u64).cast(),
+            })
+            .collect();
+        // SAFETY: an all-zero launch attribute is a valid value of the plain-data union.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.backend.stream().cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
+        };
+        self.backend.context().bind_to_thread()?;
+        // SAFETY: `config`, `attr` and `params` (pointing at values borrowed for 'a or boxed in
+        // self.params) outlive the call, which copies the values; the caller vouches for the
+        // arguments and the kernel.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
     }
 }

@@ -78,6 +78,7 @@ pub const HEADERS: &[(&str, &str)] = &[
         include_str!("../cuda/common/k_split.cuh"),
     ),
     ("common/math.cuh", include_str!("../cuda/common/math.cuh")),
+    ("common/pdl.cuh", include_str!("../cuda/common/pdl.cuh")),
     (
         "common/moe_epilogue.cuh",
         include_str!("../cuda/common/moe_epilogue.cuh"),
@@ -219,6 +220,9 @@ pub fn load(
     entry: &str,
     defines: &[(&str, String)],
 ) -> Result<CudaFunction> {
+    // An invalid FMOE_DEV_PDL stops every kernel load with the switch's error (PdlLaunch itself
+    // cannot report it through the driver's error type).
+    crate::launch::pdl_enabled(backend)?;
     let spec = KernelSpec {
         family,
         source,

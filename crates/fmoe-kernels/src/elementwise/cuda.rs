@@ -37,7 +37,7 @@ pub(crate) fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'
 }
 
 /// Every variant: casts between the kernel dtypes, add, randn, silu_mul and rand_uniform per
-/// dtype, the bf16 sum, the e4m3 rand_uniform.
+/// dtype, the bf16 sum, the e4m3 rand_uniform, the zero fill.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let codes: Vec<&'static str> = super::FLOATS
         .iter()
@@ -66,6 +66,7 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
     }
     v.push(variant("fmoe_sum_bf16", Vec::new()));
     v.push(variant("fmoe_rand_uniform_e4m3", Vec::new()));
+    v.push(variant("fmoe_zero_words", Vec::new()));
     v
 }
 
@@ -90,9 +91,8 @@ pub(super) fn cast(op: &'static str, src: &CudaStorage, dtype: DType) -> Result<
     }
     let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_cast", &defines)?;
     let n64 = n as u64;
-    let stream = backend.stream();
     let dst = out.buffer_mut()?;
-    let mut b = stream.launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(src.buffer()).arg(dst).arg(&n64);
     // SAFETY: (const SRC*, DST*, u64) as declared, the dtypes compiled from the buffers' own; both
     // hold n elements; the grid-stride loop stays below n.
@@ -237,5 +237,30 @@ pub(super) fn rand_uniform(
     // e4m3 entry); out holds n elements of it.
     unsafe { l.launch(launch_1d(n)) }
         .map_err(|e| cuda_error("elementwise::rand_uniform launch", e))?;
+    Ok(out)
+}
+
+/// A zeroed buffer of `len` elements of a 4-byte `dtype` for the MoE layer's kernel chain: with
+/// Programmatic Dependent Launch on (`crate::launch::pdl_enabled`) a zero-fill kernel launched with
+/// it, so the chain's kernels stay adjacent on the stream (a memset between them would serialize
+/// the next launch); otherwise, or for other dtypes, a stream-ordered memset.
+pub(crate) fn zeros_chain(
+    op: &'static str,
+    backend: &Arc<CudaBackend>,
+    dtype: DType,
+    len: usize,
+) -> Result<CudaStorage> {
+    if dtype.size_in_bytes() != 4 || len == 0 || !crate::launch::pdl_enabled(backend)? {
+        return Ok(CudaStorage::zeros(backend, dtype, len)?);
+    }
+    let mut out = CudaStorage::alloc(backend, dtype, len)?;
+    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_zero_words", &[])?;
+    let n64 = len as u64;
+    let dst = out.buffer_mut()?;
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    b.arg(dst).arg(&n64);
+    // SAFETY: (u32*, u64) as declared; out holds len 4-byte elements; the grid-stride loop stays
+    // below len.
+    unsafe { b.launch(launch_1d(len)) }.map_err(|e| cuda_error(op, e))?;
     Ok(out)
 }

@@ -1,6 +1,6 @@
 //! CUDA twin of `moe_align`: `cuda/moe_align.cu` (one thread block, `-D BLOCK_M`).
 
-use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::LaunchConfig;
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError, Storage, Tensor};
 
@@ -68,7 +68,8 @@ pub(super) fn align_routes(
     let mut offsets = CudaStorage::alloc(backend, DType::U32, num_experts + 1)?;
     let mut counts = CudaStorage::alloc(backend, DType::U32, num_experts)?;
     let mut total = CudaStorage::alloc(backend, DType::U32, 1)?;
-    let mut flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+    let mut flag =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
 
     let f = nvrtc::load(backend, FAMILY, SRC, ENTRY, &defines(block_m))?;
     let launch = LaunchConfig {
@@ -76,8 +77,7 @@ pub(super) fn align_routes(
         block_dim: (ALIGN_THREADS, 1, 1),
         shared_mem_bytes: ((3 * num_experts + 1) * 4) as u32,
     };
-    let stream = backend.stream();
-    let mut b = stream.launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(ids.buffer())
         .arg(&routes_u32)
         .arg(&experts_u32)

@@ -954,9 +954,8 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         shared_mem_bytes: smem,
     };
     let null: u64 = 0;
-    let stream = backend.stream();
     let out = out.buffer_mut()?;
-    let mut b = stream.launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(g.a.buffer())
         .arg(g.w.buffer())
         .arg(g.routes.sorted.buffer())
@@ -992,7 +991,12 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     if let GemmKind::Sm90Pipe { dynamic, .. } = cfg.kind {
         b.arg(&n_tiles32).arg(&m_blocks32).arg(&splits32);
         if dynamic {
-            counter = CudaStorage::zeros(backend, DType::U32, 1)?;
+            counter = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                1,
+            )?;
             b.arg(counter.buffer());
         } else {
             b.arg(&null);
@@ -1123,7 +1127,8 @@ pub(super) fn gemm2_weighted_sum(
         let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
         return Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?);
     }
-    let mut y = CudaStorage::zeros(backend, DType::F32, m * k)?;
+    let mut y =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::F32, m * k)?;
     launch_gemm(op, &g, &mut y)?;
     let y = Tensor::from_storage(Storage::Cuda(y), [m, k])?;
     crate::elementwise::to_dtype(&y, out_dtype)
@@ -1252,8 +1257,7 @@ pub(super) fn sum_route_rows(
         block_dim: (GLUE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let stream = backend.stream();
-    let mut b = stream.launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(rows.buffer())
         .arg(ids.buffer())
         .arg(y.buffer_mut()?)

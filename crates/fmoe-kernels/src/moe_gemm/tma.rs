@@ -95,3 +95,9 @@ pub(super) fn weight_tensor_map(
     // SAFETY: initialized by the successful call above.
     Ok(TensorMapArg(unsafe { map.assume_init() }))
 }
+
+impl<'a> crate::launch::PdlArg<'a> for &'a TensorMapArg {
+    fn param(self, _: &fmoe_core::cuda::cudarc::driver::CudaStream) -> crate::launch::Param<'a> {
+        crate::launch::Param::value(self)
+    }
+}

@@ -19,7 +19,7 @@
 //! Every buffer comes from the stream-ordered pool, 256-byte aligned (the 16-byte loads and the
 //! 8-byte code stores of the per-tensor kernels need 16).
 
-use fmoe_core::cuda::cudarc::driver::{CudaFunction, CudaView, LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{CudaFunction, CudaView, LaunchConfig};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Error as CoreError};
 
@@ -127,7 +127,7 @@ pub(crate) fn amax_into(
     let backend = x.backend();
     let f = kernel(op, x, "fmoe_fp8_amax")?;
     let n64 = n as u64;
-    let mut b = backend.stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(x.buffer()).arg(&n64).arg(amax);
     // SAFETY: (const in_t*, u64, u32*) as declared, in_t compiled from x's dtype; x holds at least
     // n elements in a 256-byte aligned allocation (the kernel's 16-byte loads cover the first
@@ -151,7 +151,7 @@ pub(crate) fn cast_with_amax(
     let backend = x.backend();
     let f = kernel(op, x, "fmoe_fp8_quant_tensor")?;
     let n64 = n as u64;
-    let mut b = backend.stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(amax)
@@ -189,7 +189,7 @@ pub(crate) fn cast_with_scale(
         ));
     }
     let n64 = n as u64;
-    let mut b = backend.stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(scale.buffer())
@@ -216,7 +216,7 @@ fn quant_tensor_small(
 ) -> Result<()> {
     let f = kernel(op, x, "fmoe_fp8_quant_tensor_small")?;
     let n64 = n as u64;
-    let mut b = x.backend().stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(x.backend(), &f);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(ctrl.buffer_mut()?)
@@ -245,7 +245,8 @@ pub(crate) fn per_tensor_static(
     input_defines(op, x)?;
     let backend = x.backend();
     let n = x.len();
-    let flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+    let flag =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
     let mut q = CudaStorage::alloc(backend, DType::F8E4M3, n)?;
     {
         let word = flag.buffer().slice(0..4);
@@ -270,7 +271,8 @@ pub(crate) fn per_tensor(
         quant_tensor_small(op, x, n, &mut ctrl, &mut q, &mut scale)?;
         return Ok((q, scale, ctrl));
     }
-    let ctrl = CudaStorage::zeros(backend, DType::U32, 2)?;
+    let ctrl =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 2)?;
     {
         let (amax, flag) = (ctrl.buffer().slice(0..4), ctrl.buffer().slice(4..8));
         amax_into(op, x, n, &amax)?;
@@ -290,7 +292,8 @@ pub(crate) fn per_group(
     let defines = input_defines(op, x)?;
     let backend = x.backend();
     let groups = k.div_ceil(GROUP);
-    let mut flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+    let mut flag =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
     let mut q = CudaStorage::alloc(backend, DType::F8E4M3, rows * k)?;
     let mut scales = CudaStorage::alloc(backend, DType::F32, rows * groups)?;
     let total = rows * groups;
@@ -301,7 +304,7 @@ pub(crate) fn per_group(
     let k32 = u32_arg(op, "k", k)?;
     let blocks = u32_arg(op, "quantization blocks", total.div_ceil(8))?;
     let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_fp8_quant_group", &defines)?;
-    let mut b = backend.stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(x.buffer())
         .arg(&rows32)
         .arg(&k32)
@@ -328,7 +331,8 @@ pub(crate) fn per_block(
     let defines = input_defines(op, x)?;
     let backend = x.backend();
     let (rb, cb) = (rows.div_ceil(BLOCK[0]), cols.div_ceil(BLOCK[1]));
-    let mut flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+    let mut flag =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
     let mut q = CudaStorage::alloc(backend, DType::F8E4M3, mats * rows * cols)?;
     let mut scale_inv = CudaStorage::alloc(backend, DType::F32, mats * rb * cb)?;
     if mats * rows * cols == 0 {
@@ -347,7 +351,7 @@ pub(crate) fn per_block(
     let cols32 = u32_arg(op, "cols", cols)?;
     let grid_x = u32_arg(op, "column blocks", cb)?;
     let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_fp8_quant_block", &defines)?;
-    let mut b = backend.stream().launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     b.arg(x.buffer())
         .arg(&rows32)
         .arg(&cols32)

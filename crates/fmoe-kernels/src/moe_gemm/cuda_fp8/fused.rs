@@ -71,7 +71,12 @@ pub(crate) fn gemm1_quant(
             // No amax: GEMM1 writes bf16 h only, the cast uses the scale uploaded at load.
             let sc = cuda_storage(op, "a2_scale", s, device)?;
             let mut h = CudaStorage::alloc(backend, DType::BF16, r * n)?;
-            let flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+            let flag = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                1,
+            )?;
             launch(op, &g, Some(&mut h), None, None, None)?;
             {
                 let word = flag.buffer().slice(0..4);
@@ -96,7 +101,12 @@ pub(crate) fn gemm1_quant(
             // GEMM1 writes bf16 h and atomicMax(|h|) into ctrl[0]; the cast pass turns that into
             // the scale and flags a non-finite amax in ctrl[1].
             let mut h = CudaStorage::alloc(backend, DType::BF16, r * n)?;
-            let ctrl = CudaStorage::zeros(backend, DType::U32, 2)?;
+            let ctrl = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                2,
+            )?;
             let mut hs = CudaStorage::alloc(backend, DType::F32, 1)?;
             {
                 let (amax, flag) = (ctrl.buffer().slice(0..4), ctrl.buffer().slice(4..8));
@@ -115,7 +125,12 @@ pub(crate) fn gemm1_quant(
         (Fp8Scheme::Block, ActScale::Dynamic) => {
             let groups = n.div_ceil(qcuda::GROUP);
             let mut hs = CudaStorage::alloc(backend, DType::F32, r * groups)?;
-            let flag = CudaStorage::zeros(backend, DType::U32, 1)?;
+            let flag = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                1,
+            )?;
             {
                 let word = flag.buffer().slice(0..4);
                 launch(op, &g, Some(&mut hq), Some(&mut hs), Some(&word), None)?;
@@ -226,7 +241,8 @@ pub(crate) fn gemm2(
         let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
         return cuda_tensor(y, &[m, k]);
     }
-    let mut y = CudaStorage::zeros(backend, DType::F32, m * k)?;
+    let mut y =
+        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::F32, m * k)?;
     launch(op, &g, None, None, None, Some(&mut y))?;
     crate::elementwise::to_dtype(&cuda_tensor(y, &[m, k])?, out_dtype)
 }

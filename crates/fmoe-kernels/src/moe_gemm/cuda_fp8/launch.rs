@@ -1,7 +1,7 @@
 //! One fp8 grouped GEMM launch: the operands' and aligned routes' device buffers, the variant's
 //! kernel (compiled through [`crate::nvrtc`]) and its arguments.
 
-use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Storage, Tensor};
 
@@ -256,8 +256,7 @@ pub(super) fn launch(
         None => None,
     };
     let null: u64 = 0;
-    let stream = backend.stream();
-    let mut b = stream.launch_builder(&f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f);
     let (r, bl, tot) = (
         g.routes.sorted.buffer(),
         g.routes.blocks.buffer(),
@@ -333,7 +332,8 @@ pub(super) fn launch(
     let counter;
     if cfg.ws {
         // The tile space and the tile counter (zeroed per launch, one increment per claimed tile).
-        counter = CudaStorage::zeros(backend, DType::U32, 1)?;
+        counter =
+            crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
         b.arg(&n_tiles32)
             .arg(&m_blocks32)
             .arg(&splits32)
