@@ -95,19 +95,31 @@ def variants():
         *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g)), ("BM", str(bm)), ("PERSIST", str(p)),
            ("DYNAMIC", str(d))]
           for m in (1, 2) for bm in (128, 64) for g, p, d in ((16, 0, 0), (16, 1, 0), (16, 1, 1), (8, 1, 1))])
+    # GEMM2 of SM90_LARGE with per-route rows (ROUTE_ROWS=1).
+    add("moe_gemm_bf16_sm90_pipe", "moe_gemm_bf16_sm90_pipe.cu",
+        [("MODE", "2"), ("STAGES", "4"), ("RASTER_GM", "16"), ("BM", "128"), ("PERSIST", "1"), ("DYNAMIC", "1"),
+         ("ROUTE_ROWS", "1")])
     # moe_gemm/cuda_fp8 Fp8GemmConfig::defines, warp-specialized (FP8_TENSOR_LARGE, FP8_BLOCK_LARGE):
     # MODE, BLOCK_SCALED, STAGES, RASTER_GM.
+    # Block-scaled adds PIPE_PROMOTE (FP8_BLOCK_LARGE 2; FP8_BLOCK_LARGE_HALVES none; the dev
+    # promote-drain 1 and 4); GEMM2 also with ROUTE_ROWS=1 (per-route rows, moe_finalize).
     add("moe_gemm_fp8_sm90_ws", "moe_gemm_fp8_sm90_ws.cu",
-        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")]
-          for m in (1, 2) for b in (0, 1)])
-    # Swap-AB decode GEMMs (FP8_TENSOR_SWAPAB, FP8_BLOCK_SWAPAB): MODE, BLOCK_SCALED, STAGES (3; the
-    # ring-depth sweep of FMOE_DEV_SWAPAB compiled 4 and 6).
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")] + pp + rr
+          for m in (1, 2) for b in (0, 1)
+          for pp in ([[]] + ([[("PIPE_PROMOTE", str(p))] for p in (1, 2, 4)] if b else []))
+          for rr in ([[]] + ([[("ROUTE_ROWS", "1")]] if m == 2 else []))])
+    add("moe_finalize", "moe_finalize.cu", *[[("OUT_F32", o)] for o in ("0", "1")])
+    # Swap-AB GEMMs (FP8_TENSOR_SWAPAB, FP8_BLOCK_SWAPAB, the 32/64/128-route blocks): MODE,
+    # BLOCK_SCALED, STAGES, BN (route block, with swapab_stages(bn); 16 also at the ring depths 4
+    # and 6 of FMOE_DEV_SWAPAB).
+    SWAPAB_BN_STAGES = [(16, 3), (16, 4), (16, 6), (32, 3), (64, 5), (128, 4)]
     add("moe_gemm_fp8_swapab_sm90", "moe_gemm_swapab_sm90.cu",
-        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", str(st))]
-          for m in (1, 2) for b in (0, 1) for st in (3, 4, 6)])
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", str(st)), ("BN", str(bn))]
+          for m in (1, 2) for b in (0, 1) for bn, st in SWAPAB_BN_STAGES])
     # moe_gemm/cuda.rs SM90_SWAPAB, the same source for bf16: MODE, ELEM_BF16, STAGES.
     add("moe_gemm_bf16_swapab_sm90", "moe_gemm_swapab_sm90.cu",
-        *[[("MODE", str(m)), ("ELEM_BF16", "1"), ("STAGES", str(st))] for m in (1, 2) for st in (3, 4, 6)])
+        *[[("MODE", str(m)), ("ELEM_BF16", "1"), ("STAGES", str(st)), ("BN", str(bn))]
+          for m in (1, 2) for bn, st in SWAPAB_BN_STAGES])
     return v
 
 
