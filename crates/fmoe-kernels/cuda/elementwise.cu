@@ -5,8 +5,8 @@
 //   fmoe_randn       out[i] = DT(scale * normal(seed, i)), a counter-based normal (DT)
 //   fmoe_sum_bf16    *out += sum of x (f32 accumulation; *out zeroed by the caller)
 //   fmoe_silu_mul    y[r, c] = DT(silu(x[r, c]) * x[r, I + c]) for x [rows, 2I]   (DT)
-//   fmoe_zero_words  out[i] = 0 for n u32 words: a memset as a kernel, so the MoE chain's
-//                    launches stay adjacent under Programmatic Dependent Launch (common/pdl.cuh)
+//   fmoe_zero_words  out[i] = 0 for n u32 words (-D PDL=1 only): a memset as a kernel, so the MoE
+//                    chain's launches stay adjacent under Programmatic Dependent Launch (common/pdl.cuh)
 //   fmoe_rand_uniform[_e4m3]  out[i] = DT(offset + scale * uniform(seed, i))   (DT, or e4m3)
 //
 // Dtype codes (-D SRC_DT / DST_DT / DT): 0 = f32, 1 = bf16, 2 = f16. All kernels are grid-stride
@@ -38,18 +38,22 @@
 extern "C" __global__ void fmoe_cast(const typename Elem<SRC_DT>::T* __restrict__ src,
                                      typename Elem<DST_DT>::T* __restrict__ dst,
                                      unsigned long long n) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     src = fmoe_pdl_fresh(src);
     dst = fmoe_pdl_fresh(dst);
+#endif
     GRID_STRIDE(i, n) dst[i] = Elem<DST_DT>::store(Elem<SRC_DT>::load(src[i]));
 }
 #endif
 
+#if PDL
 extern "C" __global__ void fmoe_zero_words(unsigned int* __restrict__ out, unsigned long long n) {
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     out = fmoe_pdl_fresh(out);
     GRID_STRIDE(i, n) out[i] = 0u;
 }
+#endif
 
 __device__ __forceinline__ float uniform_at(unsigned long long seed, unsigned long long i, float scale,
                                             float offset) {

@@ -19,6 +19,7 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int* __restrict__ total,
                                           unsigned int* __restrict__ error_flag,
                                           unsigned int capacity) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     ids = fmoe_pdl_fresh(ids);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
@@ -27,6 +28,7 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
     expert_counts = fmoe_pdl_fresh(expert_counts);
     total = fmoe_pdl_fresh(total);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     extern __shared__ unsigned int smem[];
     unsigned int* counts = smem;                    // [E]
     unsigned int* cursor = smem + num_experts;      // [E]

@@ -24,10 +24,12 @@ extern "C" __global__ void fmoe_moe_finalize(const uint4* __restrict__ rows, con
 #endif
                                              unsigned long long chunks, unsigned int top_k, unsigned int k8,
                                              unsigned int num_experts) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     rows = fmoe_pdl_fresh(rows);
     ids = fmoe_pdl_fresh(ids);
     y = fmoe_pdl_fresh(y);
+#endif
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < chunks;
          i += (unsigned long long)gridDim.x * blockDim.x) {
         const unsigned long long t = i / k8;

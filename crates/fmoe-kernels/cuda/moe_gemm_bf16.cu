@@ -49,15 +49,16 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
                    __nv_bfloat16* __restrict__ h_out,        // MODE 1: [num_routes, n_out]
                    float* __restrict__ y32,                  // MODE 2: [num_routes / top_k, n_out]
                    unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
     topk_weights = fmoe_pdl_fresh(topk_weights);
     h_out = fmoe_pdl_fresh(h_out);
     y32 = fmoe_pdl_fresh(y32);
+#endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     typedef __nv_bfloat16 ATile[BM][SK];
     typedef __nv_bfloat16 BTile[BN][SK];
@@ -205,9 +206,11 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
 // y = bf16(y32), the last step of GEMM2's reduction.
 extern "C" __global__ void fmoe_f32_to_bf16(const float* __restrict__ src, __nv_bfloat16* __restrict__ dst,
                                             unsigned long long n) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     src = fmoe_pdl_fresh(src);
     dst = fmoe_pdl_fresh(dst);
+#endif
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
          i += (unsigned long long)gridDim.x * blockDim.x)
         dst[i] = __float2bfloat16(src[i]);

@@ -49,15 +49,16 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
                    unsigned int top_k, unsigned int kd, unsigned int n_out) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
     topk_weights = fmoe_pdl_fresh(topk_weights);
     h_out = fmoe_pdl_fresh(h_out);
     y32 = fmoe_pdl_fresh(y32);
+#endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];
 

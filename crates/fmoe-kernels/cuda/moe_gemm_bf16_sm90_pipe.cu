@@ -86,9 +86,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
                    unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
@@ -96,6 +96,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     h_out = fmoe_pdl_fresh(h_out);
     y32 = fmoe_pdl_fresh(y32);
     tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 #if DYNAMIC

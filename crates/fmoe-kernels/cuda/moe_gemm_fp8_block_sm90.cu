@@ -67,11 +67,10 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned char* __restrict__ q_out, float* __restrict__ s_out, float* __restrict__ y32,
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
     a_scale = fmoe_pdl_fresh(a_scale);
-    w = fmoe_pdl_fresh(w);
-    w_scale = fmoe_pdl_fresh(w_scale);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
@@ -80,6 +79,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
     s_out = fmoe_pdl_fresh(s_out);
     y32 = fmoe_pdl_fresh(y32);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];
 

@@ -150,11 +150,10 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
                         unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
     a_scale = fmoe_pdl_fresh(a_scale);
-    w = fmoe_pdl_fresh(w);
-    w_scale = fmoe_pdl_fresh(w_scale);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
@@ -164,6 +163,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
     y32 = fmoe_pdl_fresh(y32);
     error_flag = fmoe_pdl_fresh(error_flag);
     tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
 #else
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __restrict__ w,
@@ -174,19 +174,19 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out,
                   const __grid_constant__ TmaDesc b_map, unsigned int n_tiles, unsigned int m_blocks,
                   unsigned int splits, unsigned int* tile_counter) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
     topk_weights = fmoe_pdl_fresh(topk_weights);
     a_scale = fmoe_pdl_fresh(a_scale);
-    w_scale = fmoe_pdl_fresh(w_scale);
     h_out = fmoe_pdl_fresh(h_out);
     h_amax = fmoe_pdl_fresh(h_amax);
     y32 = fmoe_pdl_fresh(y32);
     tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];

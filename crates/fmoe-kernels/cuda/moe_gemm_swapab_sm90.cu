@@ -143,15 +143,16 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
     topk_weights = fmoe_pdl_fresh(topk_weights);
     h_out = fmoe_pdl_fresh(h_out);
     y32 = fmoe_pdl_fresh(y32);
+#endif
 #elif BLOCK_SCALED
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __restrict__ a_scale,
@@ -161,11 +162,10 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned char* __restrict__ q_out, float* __restrict__ s_out, float* __restrict__ y32,
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
     a_scale = fmoe_pdl_fresh(a_scale);
-    w = fmoe_pdl_fresh(w);
-    w_scale = fmoe_pdl_fresh(w_scale);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
@@ -174,6 +174,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
     s_out = fmoe_pdl_fresh(s_out);
     y32 = fmoe_pdl_fresh(y32);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
 #else
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __restrict__ w,
@@ -183,18 +184,18 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   __nv_bfloat16* __restrict__ h_out, unsigned int* __restrict__ h_amax, float* __restrict__ y32,
                   unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out,
                   const __grid_constant__ TmaDesc b_map) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     a = fmoe_pdl_fresh(a);
-    w = fmoe_pdl_fresh(w);
     sorted_routes = fmoe_pdl_fresh(sorted_routes);
     block_experts = fmoe_pdl_fresh(block_experts);
     total = fmoe_pdl_fresh(total);
     topk_weights = fmoe_pdl_fresh(topk_weights);
     a_scale = fmoe_pdl_fresh(a_scale);
-    w_scale = fmoe_pdl_fresh(w_scale);
     h_out = fmoe_pdl_fresh(h_out);
     h_amax = fmoe_pdl_fresh(h_amax);
     y32 = fmoe_pdl_fresh(y32);
+#endif
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BN];

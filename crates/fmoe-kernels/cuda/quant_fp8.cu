@@ -122,9 +122,11 @@ __device__ __forceinline__ void cast_range(const in_t* __restrict__ x, unsigned 
 
 extern "C" __global__ void fmoe_fp8_amax(const in_t* __restrict__ x, unsigned long long n,
                                          unsigned int* __restrict__ amax_bits) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     amax_bits = fmoe_pdl_fresh(amax_bits);
+#endif
     __shared__ unsigned int red[32];
     const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
     const unsigned int m = block_max(amax_range(x, n, (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x, stride), red);
@@ -135,12 +137,14 @@ extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, uns
                                                  const unsigned int* __restrict__ amax_bits,
                                                  unsigned char* __restrict__ q, float* __restrict__ scale_out,
                                                  unsigned int* __restrict__ error_flag) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     amax_bits = fmoe_pdl_fresh(amax_bits);
     q = fmoe_pdl_fresh(q);
     scale_out = fmoe_pdl_fresh(scale_out);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     const unsigned int ab = *amax_bits;
     const float s = scale_from_amax(__uint_as_float(ab));
     if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -154,11 +158,13 @@ extern "C" __global__ void fmoe_fp8_quant_tensor(const in_t* __restrict__ x, uns
 extern "C" __global__ void __launch_bounds__(1024)
 fmoe_fp8_quant_tensor_small(const in_t* __restrict__ x, unsigned long long n, unsigned int* __restrict__ ctrl,
                             unsigned char* __restrict__ q, float* __restrict__ scale_out) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     ctrl = fmoe_pdl_fresh(ctrl);
     q = fmoe_pdl_fresh(q);
     scale_out = fmoe_pdl_fresh(scale_out);
+#endif
     __shared__ unsigned int red[32];
     __shared__ unsigned int total;
     const unsigned int m = block_max(amax_range(x, n, threadIdx.x, blockDim.x), red);
@@ -178,11 +184,13 @@ extern "C" __global__ void fmoe_fp8_quant_tensor_static(const in_t* __restrict__
                                                         const float* __restrict__ scale,
                                                         unsigned char* __restrict__ q,
                                                         unsigned int* __restrict__ error_flag) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     scale = fmoe_pdl_fresh(scale);
     q = fmoe_pdl_fresh(q);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     const float s = *scale;
     // No amax to carry a NaN/Inf: each thread checks what it reads (the CPU twin's error).
     unsigned int bad = 0;
@@ -215,11 +223,13 @@ extern "C" __global__ void fmoe_fp8_quant_tensor_static(const in_t* __restrict__
 extern "C" __global__ void fmoe_fp8_quant_group(const in_t* __restrict__ x, unsigned int rows, unsigned int k,
                                                 unsigned char* __restrict__ q, float* __restrict__ scales,
                                                 unsigned int* __restrict__ error_flag) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     q = fmoe_pdl_fresh(q);
     scales = fmoe_pdl_fresh(scales);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     const unsigned int lane = threadIdx.x & 31;
     const unsigned int groups = (k + 127) / 128;
     const unsigned long long gid = (unsigned long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -251,11 +261,13 @@ extern "C" __global__ void fmoe_fp8_quant_group(const in_t* __restrict__ x, unsi
 extern "C" __global__ void fmoe_fp8_quant_block(const in_t* __restrict__ x, unsigned int rows, unsigned int cols,
                                                 unsigned char* __restrict__ q, float* __restrict__ scale_inv,
                                                 unsigned int* __restrict__ error_flag) {
+#if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     x = fmoe_pdl_fresh(x);
     q = fmoe_pdl_fresh(q);
     scale_inv = fmoe_pdl_fresh(scale_inv);
     error_flag = fmoe_pdl_fresh(error_flag);
+#endif
     __shared__ unsigned int red[32];
     __shared__ float block_scale;
     const unsigned int r0 = blockIdx.y * 128u, c0 = blockIdx.x * 128u;

@@ -44,16 +44,74 @@ impl KernelVariant {
     }
 }
 
-/// All of them, family by family.
+/// All of them, family by family, then the MoE chain's PDL builds.
 pub fn all() -> Vec<KernelVariant> {
+    let align = moe_align::cuda_variants(&moe_gemm::cuda_block_ms());
+    let quant = quant_fp8::cuda::variants();
+    let gemm = moe_gemm::cuda_variants();
+    // `-D PDL=1` of every variant a chain under `crate::PdlChain` may load through
+    // `launch::load_chain` (align, quantizations, grouped GEMMs, finalize; elementwise lists its
+    // casts and zero fill itself); the portable glue kernels always launch plain.
+    let pdl: Vec<KernelVariant> = align
+        .iter()
+        .chain(&quant)
+        .chain(gemm.iter().filter(|k| k.family != moe_gemm::GLUE_FAMILY))
+        .map(pdl_build)
+        .collect();
     let mut v = routing::cuda_variants();
-    v.extend(moe_align::cuda_variants(&moe_gemm::cuda_block_ms()));
-    v.extend(quant_fp8::cuda::variants());
+    v.extend(align);
+    v.extend(quant);
     v.extend(elementwise::cuda_variants());
     v.extend(norm::cuda::variants());
     v.extend(rotary::cuda::variants());
-    v.extend(moe_gemm::cuda_variants());
+    v.extend(gemm);
     v.extend(attention::cuda_variants());
     v.extend(kv_cache::cuda_variants());
+    v.extend(pdl);
     v
+}
+
+/// `k`'s Programmatic Dependent Launch build: its defines and `PDL=1` last, as
+/// `launch::load_chain` adds it.
+pub(crate) fn pdl_build(k: &KernelVariant) -> KernelVariant {
+    let mut k = k.clone();
+    k.defines.push(crate::launch::pdl_define());
+    k
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every variant the MoE chain may load through `launch::load_chain` has its PDL build
+    /// listed (so the NVRTC test compiles it), and the zero fill exists only as one.
+    #[test]
+    fn every_chain_variant_has_its_pdl_build() {
+        let all = all();
+        let is_pdl = |k: &KernelVariant| k.defines.last() == Some(&crate::launch::pdl_define());
+        let chain = |k: &KernelVariant| {
+            (k.family == "moe_align"
+                || k.family == "quant_fp8"
+                || k.family == "moe_finalize"
+                || (k.family.starts_with("moe_gemm_") && k.family != moe_gemm::GLUE_FAMILY)
+                || k.entry == "fmoe_cast")
+                && !is_pdl(k)
+        };
+        let plain: Vec<&KernelVariant> = all.iter().filter(|k| chain(k)).collect();
+        assert!(plain.len() > 50, "{} chain variants", plain.len());
+        for k in plain {
+            assert!(all.contains(&pdl_build(k)), "no PDL build of {}", k.name());
+        }
+        let zero: Vec<&KernelVariant> = all
+            .iter()
+            .filter(|k| k.entry == "fmoe_zero_words")
+            .collect();
+        assert!(!zero.is_empty() && zero.iter().all(|k| is_pdl(k)));
+        // Nothing outside the chain has a PDL build.
+        assert!(
+            all.iter()
+                .filter(|k| is_pdl(k))
+                .all(|k| k.family != "moe_unfused" && k.family != "attention_decode")
+        );
+    }
 }

@@ -3,9 +3,10 @@
 //! opt-in of the big-tile kernels, and [`PdlLaunch`], the launch of the MoE layer's kernel chain
 //! with Programmatic Dependent Launch (`FMOE_DEV_PDL`).
 
+use std::cell::Cell;
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use fmoe_core::cuda::cudarc::driver::sys::{self, CUfunction_attribute};
 use fmoe_core::cuda::cudarc::driver::{
@@ -103,10 +104,85 @@ fn pdl_switch() -> Result<bool> {
         })
 }
 
-/// Whether [`PdlLaunch`] launches with Programmatic Dependent Launch on `backend`: `FMOE_DEV_PDL`
-/// (default on) and a device of compute capability 9.0 or newer (`griddepcontrol`).
-pub fn pdl_enabled(backend: &CudaBackend) -> Result<bool> {
+/// Whether Programmatic Dependent Launch may be used on `backend`: `FMOE_DEV_PDL` (default on)
+/// and a device of compute capability 9.0 or newer (`griddepcontrol`).
+pub(crate) fn pdl_enabled(backend: &CudaBackend) -> Result<bool> {
     Ok(pdl_switch()? && backend.compute_capability().0 >= 9)
+}
+
+/// Largest batch (tokens) whose MoE kernel chain launches with Programmatic Dependent Launch.
+/// On the H200 PDL made the chain 2-3.6 % faster at M = 1-2 (fp8), ~1 % at M = 4-16, and nothing
+/// from M = 64 (BENCHMARKS.md, 2026-12-01), where the chain's kernels are long enough to hide
+/// the launch gap; there the plain kernels (no wait, no laundered pointers) run as before.
+pub const PDL_MAX_TOKENS: usize = 16;
+
+thread_local! {
+    /// Whether the MoE chain being launched on this thread uses PDL (set by [`PdlChain`]).
+    static CHAIN_PDL: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Scope of one MoE layer's kernel chain on the calling thread: while it lives, the chain's
+/// launches (align, activation quantizations, grouped GEMMs, zero fills, finalize, cast) use the
+/// `-D PDL=1` build of their kernels and Programmatic Dependent Launch if the batch has at most
+/// [`PDL_MAX_TOKENS`] tokens, the device is CUDA of compute capability ≥ 9.0 and `FMOE_DEV_PDL`
+/// is not off. Outside a scope, or when not chosen, every kernel launches plain, as without PDL.
+/// Dropping it restores the enclosing scope's choice.
+#[must_use = "the chain uses PDL only while the scope lives"]
+pub struct PdlChain {
+    prev: bool,
+}
+
+impl PdlChain {
+    /// Enters the scope of a chain on `device` for a batch of `tokens` rows. Errors: an invalid
+    /// `FMOE_DEV_PDL`, or no backend for a CUDA device.
+    pub fn enter(device: Device, tokens: usize) -> Result<PdlChain> {
+        let on = match device {
+            Device::Cuda(ordinal) if tokens <= PDL_MAX_TOKENS => {
+                let backend = fmoe_core::cuda::cuda_backend(ordinal)?;
+                pdl_enabled(&backend)?
+            }
+            _ => false,
+        };
+        Ok(PdlChain {
+            prev: CHAIN_PDL.with(|c| c.replace(on)),
+        })
+    }
+
+    /// Whether launches in the current scope use PDL.
+    pub fn active() -> bool {
+        CHAIN_PDL.with(Cell::get)
+    }
+}
+
+impl Drop for PdlChain {
+    fn drop(&mut self) {
+        CHAIN_PDL.with(|c| c.set(self.prev));
+    }
+}
+
+/// The define that selects a kernel's PDL build (`cuda/common/pdl.cuh`).
+pub(crate) fn pdl_define() -> (&'static str, String) {
+    ("PDL", "1".to_string())
+}
+
+/// Loads a kernel of the MoE chain: its `-D PDL=1` build when the current [`PdlChain`] uses PDL,
+/// the plain one otherwise. Returns whether it is the PDL build, for [`PdlLaunch::new`].
+pub(crate) fn load_chain(
+    backend: &Arc<CudaBackend>,
+    family: &'static str,
+    source: &'static str,
+    entry: &str,
+    defines: &[(&'static str, String)],
+) -> Result<(CudaFunction, bool)> {
+    let pdl = PdlChain::active();
+    let f = if pdl {
+        let mut d = defines.to_vec();
+        d.push(pdl_define());
+        crate::nvrtc::load(backend, family, source, entry, &d)?
+    } else {
+        crate::nvrtc::load(backend, family, source, entry, defines)?
+    };
+    Ok((f, pdl))
 }
 
 /// One kernel argument of a [`PdlLaunch`]: a pointer to a value the caller keeps alive, or a
@@ -163,21 +239,24 @@ impl<'a, 'b: 'a, T> PdlArg<'a> for &'a CudaView<'b, T> {
 
 /// The launch of a kernel of the MoE layer's chain (align, activation quantizations, grouped
 /// GEMMs, zero fills, finalize, cast) on the backend's stream: as cudarc's `launch_builder`, with
-/// Programmatic Dependent Launch when [`pdl_enabled`]. The kernel may then start while the
-/// previous kernel of the stream still runs; every kernel launched so begins with
-/// `fmoe_pdl_enter()` (`cuda/common/pdl.cuh`), which waits for the previous kernel to complete
-/// before any memory access. A captured graph keeps the launch as a programmatic edge.
+/// Programmatic Dependent Launch when `pdl` (the kernel's PDL build, from [`load_chain`]). The
+/// kernel may then start while the previous kernel of the stream still runs; its PDL build
+/// begins with `fmoe_pdl_enter()` (`cuda/common/pdl.cuh`), which waits for the previous kernel to
+/// complete before it touches anything the chain writes. A captured graph keeps the launch as a
+/// programmatic edge. Without `pdl` a plain launch.
 pub(crate) struct PdlLaunch<'a> {
     backend: &'a CudaBackend,
     func: &'a CudaFunction,
+    pdl: bool,
     params: Vec<Param<'a>>,
 }
 
 impl<'a> PdlLaunch<'a> {
-    pub(crate) fn new(backend: &'a CudaBackend, func: &'a CudaFunction) -> Self {
+    pub(crate) fn new(backend: &'a CudaBackend, func: &'a CudaFunction, pdl: bool) -> Self {
         PdlLaunch {
             backend,
             func,
+            pdl,
             params: Vec::new(),
         }
     }
@@ -192,14 +271,13 @@ impl<'a> PdlLaunch<'a> {
     ///
     /// # Safety
     /// As cudarc's `LaunchArgs::launch`: the arguments match the kernel's parameters in order and
-    /// type and every pointer is valid for what the kernel does with it; the kernel begins with
-    /// `fmoe_pdl_enter()`.
+    /// type and every pointer is valid for what the kernel does with it; with `pdl`, `func` is
+    /// the kernel's `-D PDL=1` build, which begins with `fmoe_pdl_enter()`.
     pub(crate) unsafe fn launch(
         &mut self,
         cfg: LaunchConfig,
     ) -> std::result::Result<(), DriverError> {
-        // An invalid FMOE_DEV_PDL never gets here: `nvrtc::load`, which gave `func`, reports it.
-        let pdl = pdl_enabled(self.backend).unwrap_or(false);
+        let pdl = self.pdl;
         let mut params: Vec<*mut c_void> = self
             .params
             .iter_mut()
@@ -237,5 +315,33 @@ impl<'a> PdlLaunch<'a> {
             )
         }
         .result()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Large batches and the CPU never use PDL (no backend needed to decide), and a scope
+    /// restores the enclosing choice when dropped.
+    #[test]
+    fn pdl_chain_only_for_small_cuda_batches() {
+        assert!(!PdlChain::active());
+        {
+            let _outer = PdlChain::enter(Device::Cpu, 1).unwrap();
+            assert!(!PdlChain::active());
+            let _big = PdlChain::enter(Device::Cuda(0), PDL_MAX_TOKENS + 1).unwrap();
+            assert!(!PdlChain::active());
+        }
+        CHAIN_PDL.with(|c| c.set(true));
+        {
+            let _big = PdlChain::enter(Device::Cuda(0), PDL_MAX_TOKENS + 1).unwrap();
+            assert!(!PdlChain::active());
+        }
+        assert!(
+            PdlChain::active(),
+            "dropping the scope restores the enclosing choice"
+        );
+        CHAIN_PDL.with(|c| c.set(false));
     }
 }

@@ -160,6 +160,9 @@ impl FusedMoe {
     ) -> Result<(Tensor, FiniteCheck)> {
         self.check_input(x)?;
         check_topk(x, topk)?;
+        // Small batches launch the kernel chain (routed and shared experts) with Programmatic
+        // Dependent Launch, the others plain (fmoe_kernels::PdlChain says when and why).
+        let _pdl = fmoe_kernels::PdlChain::enter(self.device, x.dims()[0])?;
         let (y, mut check) = self.method.apply_deferred(x, topk, self.choice.family)?;
         let Some(shared) = &self.shared else {
             return Ok((y, check));

@@ -37,7 +37,8 @@ pub(crate) fn code(op: &'static str, s: &CudaStorage, dtype: DType) -> Result<&'
 }
 
 /// Every variant: casts between the kernel dtypes, add, randn, silu_mul and rand_uniform per
-/// dtype, the bf16 sum, the e4m3 rand_uniform, the zero fill.
+/// dtype, the bf16 sum, the e4m3 rand_uniform; the PDL builds (`-D PDL=1`) of the casts and of the
+/// zero fill, which exists only there.
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let codes: Vec<&'static str> = super::FLOATS
         .iter()
@@ -66,7 +67,16 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
     }
     v.push(variant("fmoe_sum_bf16", Vec::new()));
     v.push(variant("fmoe_rand_uniform_e4m3", Vec::new()));
-    v.push(variant("fmoe_zero_words", Vec::new()));
+    let casts: Vec<KernelVariant> = v
+        .iter()
+        .filter(|k| k.entry == "fmoe_cast")
+        .map(crate::catalog::pdl_build)
+        .collect();
+    v.extend(casts);
+    v.push(variant(
+        "fmoe_zero_words",
+        vec![crate::launch::pdl_define()],
+    ));
     v
 }
 
@@ -89,10 +99,10 @@ pub(super) fn cast(op: &'static str, src: &CudaStorage, dtype: DType) -> Result<
     if n == 0 {
         return Ok(out);
     }
-    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_cast", &defines)?;
+    let (f, pdl) = crate::launch::load_chain(backend, FAMILY, SRC, "fmoe_cast", &defines)?;
     let n64 = n as u64;
     let dst = out.buffer_mut()?;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(src.buffer()).arg(dst).arg(&n64);
     // SAFETY: (const SRC*, DST*, u64) as declared, the dtypes compiled from the buffers' own; both
     // hold n elements; the grid-stride loop stays below n.
@@ -240,9 +250,9 @@ pub(super) fn rand_uniform(
     Ok(out)
 }
 
-/// A zeroed buffer of `len` elements of a 4-byte `dtype` for the MoE layer's kernel chain: with
-/// Programmatic Dependent Launch on (`crate::launch::pdl_enabled`) a zero-fill kernel launched with
-/// it, so the chain's kernels stay adjacent on the stream (a memset between them would serialize
+/// A zeroed buffer of `len` elements of a 4-byte `dtype` for the MoE layer's kernel chain: in a
+/// chain that uses Programmatic Dependent Launch (`crate::PdlChain`) a zero-fill kernel launched
+/// with it, so the chain's kernels stay adjacent on the stream (a memset between them would serialize
 /// the next launch); otherwise, or for other dtypes, a stream-ordered memset.
 pub(crate) fn zeros_chain(
     op: &'static str,
@@ -250,14 +260,21 @@ pub(crate) fn zeros_chain(
     dtype: DType,
     len: usize,
 ) -> Result<CudaStorage> {
-    if dtype.size_in_bytes() != 4 || len == 0 || !crate::launch::pdl_enabled(backend)? {
+    if dtype.size_in_bytes() != 4 || len == 0 || !crate::PdlChain::active() {
         return Ok(CudaStorage::zeros(backend, dtype, len)?);
     }
     let mut out = CudaStorage::alloc(backend, dtype, len)?;
-    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_zero_words", &[])?;
+    // The kernel exists only in the PDL build.
+    let f = nvrtc::load(
+        backend,
+        FAMILY,
+        SRC,
+        "fmoe_zero_words",
+        &[crate::launch::pdl_define()],
+    )?;
     let n64 = len as u64;
     let dst = out.buffer_mut()?;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, true);
     b.arg(dst).arg(&n64);
     // SAFETY: (u32*, u64) as declared; out holds len 4-byte elements; the grid-stride loop stays
     // below len.

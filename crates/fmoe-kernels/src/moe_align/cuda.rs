@@ -8,7 +8,6 @@ use super::{AlignedRoutes, OP, capacity};
 use crate::Result;
 use crate::catalog::KernelVariant;
 use crate::launch::u32_arg;
-use crate::nvrtc;
 
 const FAMILY: &str = "moe_align";
 const SRC: &str = include_str!("../../cuda/moe_align.cu");
@@ -71,13 +70,13 @@ pub(super) fn align_routes(
     let mut flag =
         crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
 
-    let f = nvrtc::load(backend, FAMILY, SRC, ENTRY, &defines(block_m))?;
+    let (f, pdl) = crate::launch::load_chain(backend, FAMILY, SRC, ENTRY, &defines(block_m))?;
     let launch = LaunchConfig {
         grid_dim: (1, 1, 1),
         block_dim: (ALIGN_THREADS, 1, 1),
         shared_mem_bytes: ((3 * num_experts + 1) * 4) as u32,
     };
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(ids.buffer())
         .arg(&routes_u32)
         .arg(&experts_u32)

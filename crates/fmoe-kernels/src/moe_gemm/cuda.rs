@@ -928,7 +928,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     if g.route_rows {
         defines.push(route_rows_define());
     }
-    let f = nvrtc::load(backend, family, source, GEMM_ENTRY, &defines)?;
+    let (f, pdl) = crate::launch::load_chain(backend, family, source, GEMM_ENTRY, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
     // The tile space, as the pipe kernel takes it; the persistent one walks it with a block per SM.
@@ -955,7 +955,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     };
     let null: u64 = 0;
     let out = out.buffer_mut()?;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(g.a.buffer())
         .arg(g.w.buffer())
         .arg(g.routes.sorted.buffer())
@@ -1236,7 +1236,7 @@ pub(super) fn sum_route_rows(
             ));
         }
     };
-    let f = nvrtc::load(
+    let (f, pdl) = crate::launch::load_chain(
         backend,
         FINALIZE_FAMILY,
         FINALIZE_SRC,
@@ -1257,7 +1257,7 @@ pub(super) fn sum_route_rows(
         block_dim: (GLUE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(rows.buffer())
         .arg(ids.buffer())
         .arg(y.buffer_mut()?)

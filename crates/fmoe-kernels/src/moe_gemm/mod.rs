@@ -64,6 +64,9 @@ pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
 }
 
 /// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
+/// The family of the portable path's glue kernels (gather, SiLU⊙mul, top-k sum), never PDL.
+pub(crate) const GLUE_FAMILY: &str = cuda::GLUE_FAMILY;
+
 pub(crate) fn cuda_block_ms() -> Vec<usize> {
     let mut bms: Vec<usize> = [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE]
         .iter()

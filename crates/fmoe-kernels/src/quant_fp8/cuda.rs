@@ -25,7 +25,6 @@ use fmoe_core::{DType, Error as CoreError};
 
 use crate::catalog::KernelVariant;
 use crate::launch::u32_arg;
-use crate::nvrtc;
 use crate::{Error, Result};
 
 const FAMILY: &str = "quant_fp8";
@@ -97,9 +96,10 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
         .collect()
 }
 
-/// The entry `entry` of the source, compiled for x's dtype.
-fn kernel(op: &'static str, x: &CudaStorage, entry: &str) -> Result<CudaFunction> {
-    nvrtc::load(x.backend(), FAMILY, SRC, entry, &input_defines(op, x)?)
+/// The entry `entry` of the source, compiled for x's dtype (and the MoE chain's PDL choice,
+/// returned for `PdlLaunch`).
+fn kernel(op: &'static str, x: &CudaStorage, entry: &str) -> Result<(CudaFunction, bool)> {
+    crate::launch::load_chain(x.backend(), FAMILY, SRC, entry, &input_defines(op, x)?)
 }
 
 /// Grid of the grid-stride per-tensor kernels: `min(ceil(n / (VEC·256)), 8·SMs)`, at least 1.
@@ -125,9 +125,9 @@ pub(crate) fn amax_into(
     amax: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = kernel(op, x, "fmoe_fp8_amax")?;
+    let (f, pdl) = kernel(op, x, "fmoe_fp8_amax")?;
     let n64 = n as u64;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(x.buffer()).arg(&n64).arg(amax);
     // SAFETY: (const in_t*, u64, u32*) as declared, in_t compiled from x's dtype; x holds at least
     // n elements in a 256-byte aligned allocation (the kernel's 16-byte loads cover the first
@@ -149,9 +149,9 @@ pub(crate) fn cast_with_amax(
     flag: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = kernel(op, x, "fmoe_fp8_quant_tensor")?;
+    let (f, pdl) = kernel(op, x, "fmoe_fp8_quant_tensor")?;
     let n64 = n as u64;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(amax)
@@ -177,7 +177,7 @@ pub(crate) fn cast_with_scale(
     flag: &CudaView<'_, u8>,
 ) -> Result<()> {
     let backend = x.backend();
-    let f = kernel(op, x, "fmoe_fp8_quant_tensor_static")?;
+    let (f, pdl) = kernel(op, x, "fmoe_fp8_quant_tensor_static")?;
     if scale.dtype() != DType::F32 || scale.len() != 1 {
         return Err(Error::invalid(
             op,
@@ -189,7 +189,7 @@ pub(crate) fn cast_with_scale(
         ));
     }
     let n64 = n as u64;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(scale.buffer())
@@ -214,9 +214,9 @@ fn quant_tensor_small(
     q: &mut CudaStorage,
     scale: &mut CudaStorage,
 ) -> Result<()> {
-    let f = kernel(op, x, "fmoe_fp8_quant_tensor_small")?;
+    let (f, pdl) = kernel(op, x, "fmoe_fp8_quant_tensor_small")?;
     let n64 = n as u64;
-    let mut b = crate::launch::PdlLaunch::new(x.backend(), &f);
+    let mut b = crate::launch::PdlLaunch::new(x.backend(), &f, pdl);
     b.arg(x.buffer())
         .arg(&n64)
         .arg(ctrl.buffer_mut()?)
@@ -303,8 +303,9 @@ pub(crate) fn per_group(
     let rows32 = u32_arg(op, "rows", rows)?;
     let k32 = u32_arg(op, "k", k)?;
     let blocks = u32_arg(op, "quantization blocks", total.div_ceil(8))?;
-    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_fp8_quant_group", &defines)?;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let (f, pdl) =
+        crate::launch::load_chain(backend, FAMILY, SRC, "fmoe_fp8_quant_group", &defines)?;
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(x.buffer())
         .arg(&rows32)
         .arg(&k32)
@@ -350,8 +351,9 @@ pub(crate) fn per_block(
     let rows32 = u32_arg(op, "rows", rows)?;
     let cols32 = u32_arg(op, "cols", cols)?;
     let grid_x = u32_arg(op, "column blocks", cb)?;
-    let f = nvrtc::load(backend, FAMILY, SRC, "fmoe_fp8_quant_block", &defines)?;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let (f, pdl) =
+        crate::launch::load_chain(backend, FAMILY, SRC, "fmoe_fp8_quant_block", &defines)?;
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(x.buffer())
         .arg(&rows32)
         .arg(&cols32)

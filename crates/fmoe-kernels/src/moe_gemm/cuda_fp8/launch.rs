@@ -12,7 +12,6 @@ use crate::moe_align::AlignedRoutes;
 use crate::moe_gemm::cuda::{GemmGrid, gemm_grid};
 use crate::moe_gemm::tma::{TmaElem, weight_tensor_map};
 use crate::moe_gemm::{ActOperand, WeightOperand};
-use crate::nvrtc;
 use crate::{Error, Result};
 
 /// Codes and scales of an fp8 activation operand.
@@ -222,7 +221,7 @@ pub(super) fn launch(
     if g.route_rows {
         defines.push(crate::moe_gemm::cuda::route_rows_define());
     }
-    let f = nvrtc::load(backend, family, source, entry, &defines)?;
+    let (f, pdl) = crate::launch::load_chain(backend, family, source, entry, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm fp8: shared memory opt-in")?;
     // The tile space; the warp-specialized kernels walk it with one persistent block per SM.
@@ -256,7 +255,7 @@ pub(super) fn launch(
         None => None,
     };
     let null: u64 = 0;
-    let mut b = crate::launch::PdlLaunch::new(backend, &f);
+    let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     let (r, bl, tot) = (
         g.routes.sorted.buffer(),
         g.routes.blocks.buffer(),
