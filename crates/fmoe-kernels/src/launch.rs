@@ -111,10 +111,11 @@ pub(crate) fn pdl_enabled(backend: &CudaBackend) -> Result<bool> {
 }
 
 /// Largest batch (tokens) whose MoE kernel chain launches with Programmatic Dependent Launch.
-/// On the H200 PDL made the chain 2-3.6 % faster at M = 1-2 (fp8), ~1 % at M = 4-16, and nothing
-/// from M = 64 (BENCHMARKS.md, 2026-12-01), where the chain's kernels are long enough to hide
-/// the launch gap; there the plain kernels (no wait, no laundered pointers) run as before.
-pub const PDL_MAX_TOKENS: usize = 16;
+/// On the H200 (BENCHMARKS.md, 2026-12-01, pdl3 beside main) PDL made the fp8 chain 1.5-3 % faster
+/// at M = 1-2, tied at M = 4 and was 0.5-1 % slower at M = 16, where the chain's kernels are long
+/// enough to hide the launch gap and the PDL builds' waits only cost; above 4 tokens the plain
+/// kernels (no wait, no laundered pointers) run as before.
+pub const PDL_MAX_TOKENS: usize = 4;
 
 thread_local! {
     /// Whether the MoE chain being launched on this thread uses PDL (set by [`PdlChain`]).
