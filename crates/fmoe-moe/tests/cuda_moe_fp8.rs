@@ -236,6 +236,44 @@ fn large_fp8_layers_at_the_edges_match_the_f64_reference() {
     }
 }
 
+/// Routes per expert around the edges of the prefill GEMMs' 128-row tiles and of their two 64-row
+/// warpgroup halves, as `cuda_moe.rs` `large_tile_edges…` for bf16: 2, 64 (rows 64..127 all
+/// padding), 65 (one live row there), 127, 128, 129 and 192 (a second tile with 1 and 64
+/// routes), 193; 112 per expert on average, so the warp-specialized kernels run for both schemes. N = 2064 (N % 128 = 16: GEMM1's up rows straddle two weight
+/// blocks; GEMM2's reduction over 17 K blocks).
+#[test]
+fn large_fp8_tile_edges_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193];
+    let routes: usize = counts.iter().sum();
+    let c = case(routes / 2, counts.len(), 256, 2064, 2);
+    let mut inp = inputs(&c, 18_700);
+    // Token t's two largest logits on experts runs[t] and runs[t + M] (different, as no expert
+    // has more than M routes), so the softmax top-2 routes exactly `counts` to the experts.
+    let runs: Vec<usize> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(e, &n)| std::iter::repeat_n(e, n))
+        .collect();
+    assert!(counts.iter().all(|&n| n <= c.m));
+    let mut logits = inp.logits.to_f32_vec().unwrap();
+    for t in 0..c.m {
+        logits[t * c.e + runs[t]] += 8.0;
+        logits[t * c.e + runs[t + c.m]] += 7.0;
+    }
+    inp.logits = Tensor::from_vec(logits, [c.m, c.e], &CPU).unwrap();
+    let ((), launches) = trace_launches(|| check_case("128-row tile edges", &c, &inp));
+    for entry in ["fmoe_moe_gemm_fp8", "fmoe_moe_gemm_fp8_block"] {
+        let name = format!("moe_gemm_fp8_sm90_ws/{entry}[");
+        assert!(
+            launches.iter().any(|l| l.starts_with(&name)),
+            "the warp-specialized {entry} GEMM did not run: {launches:?}"
+        );
+    }
+}
+
 #[test]
 fn decode_fp8_layers_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {
