@@ -1,12 +1,17 @@
 #!/usr/bin/env python3
 """SHA-256 fingerprints of every CUDA kernel variant fmoe compiles, for sm_90a, without a GPU.
 
-Compiles each `crates/fmoe-kernels/cuda/*.cu` with every `-D` combination that the Rust launch code
-(`crates/fmoe-kernels/src/*/cuda*.rs`) and the CuPy bring-up harnesses (`bench/gpu/*_cupy.py`)
-use, through NVRTC loaded with ctypes, with the options of `src/nvrtc.rs` (`--gpu-architecture=
-sm_90a -std=c++17 -I<cuda>/include`, the defines in the Rust order) plus `-I crates/fmoe-kernels/cuda`
-so that `#include "common/....cuh"` resolves from the files (nvrtc.rs hands NVRTC the same headers
-from memory instead). One line per variant:
+Compiles each program of fmoe's kernel catalog (`crates/fmoe-kernels/src/catalog.rs`, printed by
+`fmoe kernels --catalog-json`: every `crates/fmoe-kernels/cuda/*.cu` with every `-D` set the launch
+code builds), plus a few variants outside it (`extras()`: the CuPy bring-up harnesses'
+`bench/gpu/*_cupy.py` configs and experiments no longer built), through NVRTC loaded with ctypes, with the
+options of `src/nvrtc.rs` (`--gpu-architecture=sm_90a -std=c++17 -I<cuda>/include`, the defines in
+the Rust order) plus `-I crates/fmoe-kernels/cuda` so that `#include "common/....cuh"` resolves
+from the files (nvrtc.rs hands NVRTC the same headers from memory instead). The catalog comes from
+`--catalog FILE` (that command's output), else from running `--fmoe BIN`, `$FMOE_BIN` or this
+tree's `target/release/fmoe` (build it first: a stale binary prints a stale catalog).
+
+One line per variant:
 
     <sha256 of the CUBIN>  <sha256 of the SASS>  <family> <defines>
 
@@ -17,11 +22,13 @@ or a path baked into some note), the second column says whether the instructions
 Use it to prove that a refactor of the sources (moving helpers into headers, renaming, comments)
 changes no generated code:
 
+    cargo build --release -p fmoe-cli   # in each tree: its fmoe prints its catalog
     python3 scripts/cuda/cubin_fingerprint.py > /tmp/before.txt     # on the old tree
     python3 scripts/cuda/cubin_fingerprint.py --compare /tmp/before.txt   # on the new tree
 
-`--compare` prints one status per variant (identical / SASS-identical / DIFFERENT / missing) and a
-summary, and exits 1 unless every variant is identical in at least its SASS.
+`--compare` prints one status per variant (identical / SASS-identical / DIFFERENT / new / missing)
+and a summary, and exits 1 unless every earlier variant is there and identical in at least its
+SASS ("new": a variant the earlier file lacks, e.g. the catalog grew; listed, not a failure).
 
 NVRTC: `--nvrtc-lib PATH` or `$FMOE_NVRTC_LIB` (e.g. the pip wheel `nvidia-cuda-nvrtc`:
 `<site>/nvidia/cu13/lib/libnvrtc.so.13`), else `$CUDA_HOME/lib64/libnvrtc.so*`, else the copy .ci/run
@@ -33,8 +40,10 @@ import argparse
 import ctypes
 import glob
 import hashlib
+import json
 import os
 import struct
+import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 
@@ -43,89 +52,113 @@ CUDA_DIR = os.path.join(ROOT, "crates", "fmoe-kernels", "cuda")
 ARCH = "sm_90a"
 
 
-def variants():
-    """(family, file, [(name, value)]) for every instantiation, families named as in the Rust code."""
+def load_catalog(catalog=None, fmoe=None):
+    """fmoe's kernel catalog (`crates/fmoe-kernels/src/catalog.rs`), one dict a program: family,
+    source (file under cuda/), entries, defines ([name, value] in -D order). Read from `catalog`
+    (the output of `fmoe kernels --catalog-json`; "-" = stdin), else printed by the `fmoe` binary
+    `fmoe`, $FMOE_BIN, or this tree's target/release/fmoe (then target/debug/fmoe)."""
+    if catalog:
+        text = sys.stdin.read() if catalog == "-" else open(catalog).read()
+        where = catalog
+    else:
+        fmoe = fmoe or os.environ.get("FMOE_BIN")
+        if not fmoe:
+            built = [os.path.join(ROOT, "target", t, "fmoe") for t in ("release", "debug")]
+            fmoe = next((b for b in built if os.path.exists(b)), None)
+            if fmoe:
+                warn_if_stale(fmoe)
+        if not fmoe:
+            sys.exit("no kernel catalog: pass --catalog FILE (from `fmoe kernels --catalog-json`) or "
+                     "--fmoe BIN, or build fmoe (cargo build --release -p fmoe-cli)")
+        run = subprocess.run([fmoe, "kernels", "--catalog-json"], capture_output=True, text=True)
+        if run.returncode != 0:
+            sys.exit(f"{fmoe} kernels --catalog-json failed ({run.returncode}):\n{run.stderr}")
+        text, where = run.stdout, f"{fmoe} kernels --catalog-json"
+    programs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            p = json.loads(line)
+            programs.append({"family": p["family"], "source": p["source"], "entries": list(p["entries"]),
+                             "defines": [(str(k), str(x)) for k, x in p["defines"]]})
+        except (ValueError, KeyError, TypeError) as e:
+            sys.exit(f"{where}:{n}: not a catalog line ({e!r}): {line[:200]}")
+    if not programs:
+        sys.exit(f"{where}: empty kernel catalog")
+    print(f"# kernel catalog: {len(programs)} programs from {where}", file=sys.stderr)
+    return programs
+
+
+def warn_if_stale(binary):
+    """Warns when a Rust source of fmoe-kernels is newer than `binary` (its catalog may be old)."""
+    src = os.path.join(ROOT, "crates", "fmoe-kernels", "src")
+    newest = max((os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(src) for f in fs), default=0)
+    if newest > os.path.getmtime(binary):
+        print(f"warning: {binary} is older than crates/fmoe-kernels/src: its catalog may be stale "
+              "(cargo build --release -p fmoe-cli)", file=sys.stderr)
+
+
+def extras():
+    """Variants outside the catalog (fmoe never builds them), kept so that their CUBINs stay covered
+    and older fingerprint files still compare: the CuPy bring-up harnesses' configs
+    (bench/gpu/*_cupy.py) and experiments the launch code no longer builds. (family, file, [(name, value)])."""
     v = []
 
     def add(family, file, *defs):
         for d in defs:
             v.append((family, file, list(d)))
 
-    # moe_align/cuda.rs: BLOCK_M = "{block_m}u" for the GEMM configs' bm (64, 128); the harnesses
-    # pass the bare number.
-    add("moe_align", "moe_align.cu", *[[("BLOCK_M", f"{bm}{u}")] for bm in (64, 128) for u in ("u", "")])
-    # routing/cuda.rs TopKSoftmaxConfig: dtype code 0/1/2 (f32/bf16/f16), EXPERTS_PER_LANE a power
-    # of two in 1..=32 (E <= 1024), WARPS_PER_BLOCK 4.
-    add("topk_softmax", "topk_softmax.cu",
-        *[[("FMOE_LOGITS_DTYPE", str(dt)), ("EXPERTS_PER_LANE", str(epl)), ("WARPS_PER_BLOCK", "4")]
-          for dt in (0, 1, 2) for epl in (1, 2, 4, 8, 16, 32)])
-    # elementwise/cuda.rs: fmoe_cast (SRC_DT, DST_DT), fmoe_add / fmoe_randn (DT), fmoe_sum_bf16 (none).
-    add("elementwise", "elementwise.cu",
-        *[[("SRC_DT", str(s)), ("DST_DT", str(d))] for s in (0, 1, 2) for d in (0, 1, 2)],
-        *[[("DT", str(d))] for d in (0, 1, 2)], [])
-    # quant_fp8/cuda.rs input_defines: bf16 input (none), f32 input (QUANT_IN_F32=1); the fp8 harness too.
-    add("quant_fp8", "quant_fp8.cu", [], [("QUANT_IN_F32", "1")])
-    # moe_gemm/cuda.rs GLUE_SRC and cuda_fp8.rs: no defines.
-    add("moe_unfused", "moe_unfused.cu", [])
-    # moe_gemm/cuda.rs GemmConfig::defines, kind Mma: MODE, BK, STAGES. MMA = (64, 4); the bf16
-    # harness's default and the unit test's config = (32, 3).
-    add("moe_gemm_bf16", "moe_gemm_bf16.cu",
-        *[[("MODE", str(m)), ("BK", str(bk)), ("STAGES", str(st))] for m in (1, 2) for bk, st in ((64, 4), (32, 3))])
-    # kind Sm90: MODE, WG_N, STAGES, BM. SM90_SMALL (128, 4, 64), SM90_SYNC (256, 4, 128); the bf16
-    # harness's SWEEP and its --kind sm90 defaults (256, 3, 64).
-    sm90 = [(128, 4, 64), (256, 4, 128), (128, 5, 64), (256, 4, 64), (128, 4, 128), (256, 3, 128), (256, 3, 64)]
+    # The harnesses pass moe_align's BLOCK_M as a bare number (the Rust code: "64u", "128u").
+    add("moe_align", "moe_align.cu", *[[("BLOCK_M", str(bm))] for bm in (64, 128)])
+    # The bf16 harness's default Mma config.
+    add("moe_gemm_bf16", "moe_gemm_bf16.cu", *[[("MODE", str(m)), ("BK", "32"), ("STAGES", "3")] for m in (1, 2)])
+    # The bf16 harness's Sm90 SWEEP and its --kind sm90 defaults: WG_N, STAGES, BM.
+    sm90 = [(128, 5, 64), (256, 4, 64), (128, 4, 128), (256, 3, 128), (256, 3, 64)]
     add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", str(n)), ("STAGES", str(st)), ("BM", str(bm))] for m in (1, 2) for n, st, bm in sm90])
-    # The SM90_LARGE experiments (FMOE_DEV_SM90_LARGE): "raster" = SM90_SYNC + RASTER_GM=16;
-    add("moe_gemm_bf16_sm90", "moe_gemm_bf16_sm90.cu",
-        *[[("MODE", str(m)), ("WG_N", "256"), ("STAGES", "4"), ("BM", "128"), ("RASTER_GM", "16")] for m in (1, 2)])
-    # moe_gemm/cuda_fp8.rs Fp8GemmConfig::defines, per-tensor: MODE, WG_N, STAGES, BM, PROMOTE.
-    # FP8_TENSOR_SMALL (128, 4, 64, 1), FP8_TENSOR_LARGE (256, 4, 128, 0); the fp8 harness's
-    # TENSOR_SMALL, TENSOR_PROMOTED and SWEEP_T.
-    fp8 = [(128, 4, 64, 1), (256, 4, 128, 0), (128, 4, 64, 0), (128, 4, 128, 1), (128, 3, 64, 0), (256, 4, 64, 0)]
+    # The fp8 harness's per-tensor TENSOR_PROMOTED and SWEEP_T: WG_N, STAGES, BM, PROMOTE.
+    fp8 = [(128, 4, 64, 0), (128, 4, 128, 1), (128, 3, 64, 0), (256, 4, 64, 0)]
     add("moe_gemm_fp8_sm90", "moe_gemm_fp8_sm90.cu",
         *[[("MODE", str(m)), ("WG_N", str(n)), ("STAGES", str(st)), ("BM", str(bm)), ("PROMOTE", str(p))]
           for m in (1, 2) for n, st, bm, p in fp8])
-    # Block-scaled: MODE, STAGES. FP8_BLOCK_SCALED 5; the fp8 harness's checks (3) and sweep (4, 5).
+    # The fp8 harness's block-scaled checks (3) and sweep (4).
     add("moe_gemm_fp8_block_sm90", "moe_gemm_fp8_block_sm90.cu",
-        *[[("MODE", str(m)), ("STAGES", str(st))] for m in (1, 2) for st in (5, 3, 4)])
-    # Sm90Pipe (SM90_LARGE and its experiments "pipe", "persist", "dyn", "dyn_gm8"; SM90_MID with
-    # BM 64): MODE, STAGES, RASTER_GM, BM, PERSIST, DYNAMIC.
+        *[[("MODE", str(m)), ("STAGES", str(st))] for m in (1, 2) for st in (3, 4)])
+    # Sm90Pipe at BM 64 with 4 stages (the launch code now builds BM 64 with 5): RASTER_GM, PERSIST, DYNAMIC.
     add("moe_gemm_bf16_sm90_pipe", "moe_gemm_bf16_sm90_pipe.cu",
-        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g)), ("BM", str(bm)), ("PERSIST", str(p)),
+        *[[("MODE", str(m)), ("STAGES", "4"), ("RASTER_GM", str(g)), ("BM", "64"), ("PERSIST", str(p)),
            ("DYNAMIC", str(d))]
-          for m in (1, 2) for bm in (128, 64) for g, p, d in ((16, 0, 0), (16, 1, 0), (16, 1, 1), (8, 1, 1))])
-    # GEMM2 of SM90_LARGE with per-route rows (ROUTE_ROWS=1).
-    add("moe_gemm_bf16_sm90_pipe", "moe_gemm_bf16_sm90_pipe.cu",
-        [("MODE", "2"), ("STAGES", "4"), ("RASTER_GM", "16"), ("BM", "128"), ("PERSIST", "1"), ("DYNAMIC", "1"),
-         ("ROUTE_ROWS", "1")])
-    # moe_gemm/cuda_fp8 Fp8GemmConfig::defines, warp-specialized (FP8_TENSOR_LARGE, FP8_BLOCK_LARGE):
-    # MODE, BLOCK_SCALED, STAGES, RASTER_GM.
-    # Block-scaled adds PIPE_PROMOTE (FP8_BLOCK_LARGE 2; FP8_BLOCK_LARGE_HALVES none; the dev
-    # promote-drain 1 and 4); GEMM2 also with ROUTE_ROWS=1 (per-route rows, moe_finalize).
+          for m in (1, 2) for g, p, d in ((16, 0, 0), (16, 1, 0), (16, 1, 1), (8, 1, 1))])
+    # Promote-drain experiments of the block-scaled warp-specialized GEMMs no longer built (PIPE_PROMOTE 1, 4).
     add("moe_gemm_fp8_sm90_ws", "moe_gemm_fp8_sm90_ws.cu",
-        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", "4"), ("RASTER_GM", "16")] + pp + rr
-          for m in (1, 2) for b in (0, 1)
-          for pp in ([[]] + ([[("PIPE_PROMOTE", str(p))] for p in (1, 2, 4)] if b else []))
-          for rr in ([[]] + ([[("ROUTE_ROWS", "1")]] if m == 2 else []))])
-    add("moe_finalize", "moe_finalize.cu", *[[("OUT_F32", o)] for o in ("0", "1")])
-    # Swap-AB GEMMs (FP8_TENSOR_SWAPAB, FP8_BLOCK_SWAPAB, the 32/64/128-route blocks): MODE,
-    # BLOCK_SCALED, STAGES, BN (route block, with swapab_stages(bn); 16 also at the ring depths 4
-    # and 6 of FMOE_DEV_SWAPAB).
-    SWAPAB_BN_STAGES = [(16, 3), (16, 4), (16, 6), (32, 3), (64, 5), (128, 4)]
+        *[[("MODE", str(m)), ("BLOCK_SCALED", "1"), ("STAGES", "4"), ("RASTER_GM", "16"), ("PIPE_PROMOTE", str(p))] + rr
+          for m in (1, 2) for p in (1, 4) for rr in ([[]] + ([[("ROUTE_ROWS", "1")]] if m == 2 else []))])
+    # Swap-AB ring depths 4 and 6 at BN 16 (a dev experiment no longer built).
     add("moe_gemm_fp8_swapab_sm90", "moe_gemm_swapab_sm90.cu",
-        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", str(st)), ("BN", str(bn))]
-          for m in (1, 2) for b in (0, 1) for bn, st in SWAPAB_BN_STAGES])
-    # moe_gemm/cuda.rs SM90_SWAPAB, the same source for bf16: MODE, ELEM_BF16, STAGES.
+        *[[("MODE", str(m)), ("BLOCK_SCALED", str(b)), ("STAGES", str(st)), ("BN", "16")]
+          for m in (1, 2) for b in (0, 1) for st in (4, 6)])
     add("moe_gemm_bf16_swapab_sm90", "moe_gemm_swapab_sm90.cu",
-        *[[("MODE", str(m)), ("ELEM_BF16", "1"), ("STAGES", str(st)), ("BN", str(bn))]
-          for m in (1, 2) for bn, st in SWAPAB_BN_STAGES])
+        *[[("MODE", str(m)), ("ELEM_BF16", "1"), ("STAGES", str(st)), ("BN", "16")] for m in (1, 2) for st in (4, 6)])
     return v
 
+
+def variants(programs):
+    """(family, file, [(name, value)]) of every catalog program, then the extras it lacks."""
+    v = [(p["family"], p["source"], p["defines"]) for p in programs]
+    seen = {label(f, d) for f, _, d in v}
+    v += [x for x in extras() if label(x[0], x[2]) not in seen]
+    return v
 
 
 def label(family, defines):
     return family + ("[" + ",".join(f"{k}={x}" for k, x in defines) + "]" if defines else "")
+
+
+def add_catalog_args(ap):
+    ap.add_argument("--catalog", metavar="FILE", help="the output of `fmoe kernels --catalog-json` (- = stdin)")
+    ap.add_argument("--fmoe", metavar="BIN", help="the fmoe binary to ask for the catalog (default: $FMOE_BIN, "
+                    "else target/release/fmoe)")
 
 
 def find_nvrtc(arg):
@@ -210,11 +243,12 @@ def main():
     ap.add_argument("--nvrtc-lib")
     ap.add_argument("--cuda-include")
     ap.add_argument("--compare", metavar="FILE", help="compare with an earlier run's output")
+    add_catalog_args(ap)
     ap.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     lib = find_nvrtc(a.nvrtc_lib)
     include = find_include(a.cuda_include, lib)
-    jobs = [(lib, include, f, file, d) for f, file, d in variants()]
+    jobs = [(lib, include, f, file, d) for f, file, d in variants(load_catalog(a.catalog, a.fmoe))]
     lines, failed = [], 0
     with ProcessPoolExecutor(max_workers=max(1, a.jobs)) as ex:
         for family, defines, cubin, log in ex.map(compile_one, jobs):
@@ -252,7 +286,7 @@ def main():
         print(f"{'missing':15} {name}")
     print(f"# {len(lines)} variants: " + ", ".join(f"{v} {k}" for k, v in counts.items())
           + f", {len(missing)} missing, {failed} failed to compile")
-    bad = counts["DIFFERENT"] or counts["new"] or missing or failed
+    bad = counts["DIFFERENT"] or missing or failed
     return 1 if bad else 0
 
 

@@ -22,7 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Print the MoE kernel family (fused or portable) a method gets under the current environment.
+    /// Print the MoE kernel family (fused or portable) a method gets under the current environment,
+    /// or (--catalog-json) every CUDA kernel program fmoe can build.
     Kernels(cmd::kernels::Args),
     /// Benchmarks.
     #[command(subcommand)]

@@ -344,3 +344,76 @@ fn help_mentions_the_switches() {
     assert!(out.status.success(), "{what}");
     assert!(text(&out.stdout).contains("--method"), "{what}");
 }
+
+/// `fmoe kernels --catalog-json`: one JSON object a line per NVRTC program, together exactly the
+/// kernel catalog (every variant's family, entry and defines in order), each source a file under
+/// crates/fmoe-kernels/cuda/ with the text the binary compiles.
+#[test]
+fn kernels_catalog_json_is_the_catalog() {
+    let args = ["kernels", "--catalog-json"];
+    let out = fmoe(&args, &[]);
+    let what = describe(&args, &[], &out);
+    assert!(out.status.success(), "{what}");
+    let cuda = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fmoe-kernels/cuda");
+    let mut names = Vec::new();
+    let mut programs = std::collections::HashSet::new();
+    for line in text(&out.stdout).lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        let s = |key: &str| v[key].as_str().unwrap_or_else(|| panic!("{key}: {line}"));
+        let (family, source) = (s("family"), s("source"));
+        let on_disk = std::fs::read_to_string(cuda.join(source))
+            .unwrap_or_else(|e| panic!("{source}: {e}: {line}"));
+        let defines: Vec<String> = v["defines"]
+            .as_array()
+            .unwrap_or_else(|| panic!("defines: {line}"))
+            .iter()
+            .map(|d| match d.as_array().map(Vec::as_slice) {
+                Some([n, x]) => format!("{}={}", n.as_str().unwrap(), x.as_str().unwrap()),
+                _ => panic!("define {d}: {line}"),
+            })
+            .collect();
+        assert!(
+            programs.insert((family.to_string(), source.to_string(), defines.clone())),
+            "program listed twice: {line}"
+        );
+        let entries = v["entries"].as_array().unwrap();
+        assert!(!entries.is_empty(), "{line}");
+        for e in entries {
+            let entry = e.as_str().unwrap();
+            // The source defines the entry point (as an extern "C" kernel).
+            assert!(on_disk.contains(entry), "{entry} not in {source}");
+            let mut name = format!("{family}/{entry}");
+            if !defines.is_empty() {
+                name.push_str(&format!("[{}]", defines.join(",")));
+            }
+            names.push((name, on_disk.clone()));
+        }
+    }
+    let catalog = fmoe_kernels::catalog::all();
+    assert_eq!(names.len(), catalog.len(), "{what}");
+    for ((name, on_disk), k) in names.iter().zip(&catalog) {
+        assert_eq!(*name, k.name());
+        assert!(
+            *on_disk == k.source,
+            "{name}: source file is not its source"
+        );
+    }
+    // The PDL builds are in it, PDL=1 last.
+    assert!(names.iter().any(|(n, _)| n.ends_with(",PDL=1]")), "{what}");
+}
+
+#[test]
+fn kernels_catalog_json_takes_no_method() {
+    for args in [
+        &["kernels", "--catalog-json", "--method", "unquantized"][..],
+        &["kernels", "--catalog-json", "--device", "cpu"][..],
+        &["kernels"][..],
+    ] {
+        let out = fmoe(args, &[]);
+        let what = describe(args, &[], &out);
+        assert!(!out.status.success(), "{what}");
+        assert!(text(&out.stdout).is_empty(), "{what}");
+        assert_no_panic(&what, &text(&out.stderr));
+    }
+}

@@ -2,6 +2,8 @@
 //! launch code builds, produced by the same functions that build them at launch (so the list
 //! cannot drift from the code). A build check, not a registry: `tests/nvrtc_compile.rs` compiles
 //! all of them for sm_90a with [`crate::nvrtc::compile_only`], on a machine without a GPU (CI).
+//! `fmoe kernels --catalog-json` prints it ([`programs`], sources by [`SOURCES`] file name) for
+//! the scripts under `scripts/cuda/`.
 
 use crate::nvrtc::KernelSpec;
 use crate::{
@@ -18,7 +20,49 @@ pub struct KernelVariant {
     pub defines: Vec<(&'static str, String)>,
 }
 
+/// `(name, include_str!("../cuda/<name>"))` for each file name.
+macro_rules! sources {
+    ($($file:literal),* $(,)?) => {
+        [$(($file, include_str!(concat!("../cuda/", $file)))),*]
+    };
+}
+
+/// Every program source under `cuda/`, `(file name, text)`: how tools outside the binary (the
+/// scripts under `scripts/cuda/`) name a variant's source, see [`KernelVariant::source_file`]. A
+/// test checks it against the folder (and that it names every catalog variant's source).
+pub const SOURCES: &[(&str, &str)] = &sources![
+    "attention_decode.cu",
+    "attention_prefill.cu",
+    "copy.cu",
+    "elementwise.cu",
+    "grouped_topk.cu",
+    "kv_append.cu",
+    "moe_align.cu",
+    "moe_finalize.cu",
+    "moe_gemm_bf16.cu",
+    "moe_gemm_bf16_sm90.cu",
+    "moe_gemm_bf16_sm90_pipe.cu",
+    "moe_gemm_fp8_block_sm90.cu",
+    "moe_gemm_fp8_sm90.cu",
+    "moe_gemm_fp8_sm90_ws.cu",
+    "moe_gemm_swapab_sm90.cu",
+    "moe_unfused.cu",
+    "norm.cu",
+    "quant_fp8.cu",
+    "rotary.cu",
+    "topk_softmax.cu",
+];
+
 impl KernelVariant {
+    /// The file name under `cuda/` of its source ([`SOURCES`]); `None` if the source is none of
+    /// them (no catalog variant: tested).
+    pub fn source_file(&self) -> Option<&'static str> {
+        SOURCES
+            .iter()
+            .find(|(_, text)| *text == self.source)
+            .map(|(name, _)| *name)
+    }
+
     /// The spec [`crate::nvrtc`] compiles and loads.
     pub fn spec(&self) -> KernelSpec<'_> {
         KernelSpec {
@@ -71,6 +115,22 @@ pub fn all() -> Vec<KernelVariant> {
     v
 }
 
+/// One NVRTC program per (family, source, defines) of `variants`, in their order, with its entry
+/// points in their order: what a build compiles once and loads each entry of.
+pub fn programs(variants: &[KernelVariant]) -> Vec<(KernelVariant, Vec<&'static str>)> {
+    let mut out: Vec<(KernelVariant, Vec<&'static str>)> = Vec::new();
+    for v in variants {
+        let same = |p: &KernelVariant| {
+            p.family == v.family && p.defines == v.defines && p.source == v.source
+        };
+        match out.iter_mut().find(|(p, _)| same(p)) {
+            Some((_, entries)) => entries.push(v.entry),
+            None => out.push((v.clone(), vec![v.entry])),
+        }
+    }
+    out
+}
+
 /// `k`'s Programmatic Dependent Launch build: its defines and `PDL=1` last, as
 /// `launch::load_chain` adds it.
 pub(crate) fn pdl_build(k: &KernelVariant) -> KernelVariant {
@@ -82,6 +142,48 @@ pub(crate) fn pdl_build(k: &KernelVariant) -> KernelVariant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Entries of one (family, source, defines) share a program, in first-seen order; a
+    /// different define, family or source is another program.
+    #[test]
+    fn programs_group_entries_of_one_build() {
+        let (a, b) = (SOURCES[0].1, SOURCES[1].1);
+        let v = |family, source, entry, d: &str| KernelVariant {
+            family,
+            source,
+            entry,
+            defines: vec![("X", d.to_string())],
+        };
+        let all = [
+            v("f", a, "k1", "1"),
+            v("f", a, "k1", "2"),
+            v("f", a, "k2", "1"),
+            v("g", a, "k1", "1"),
+            v("f", b, "k3", "1"),
+        ];
+        let p = programs(&all);
+        let got: Vec<(&str, &str, String, Vec<&str>)> = p
+            .iter()
+            .map(|(k, e)| {
+                (
+                    k.family,
+                    k.source_file().unwrap(),
+                    k.defines[0].1.clone(),
+                    e.clone(),
+                )
+            })
+            .collect();
+        let (fa, fb) = (SOURCES[0].0, SOURCES[1].0);
+        assert_eq!(
+            got,
+            [
+                ("f", fa, "1".to_string(), vec!["k1", "k2"]),
+                ("f", fa, "2".to_string(), vec!["k1"]),
+                ("g", fa, "1".to_string(), vec!["k1"]),
+                ("f", fb, "1".to_string(), vec!["k3"]),
+            ]
+        );
+    }
 
     /// Every variant the MoE chain may load through `launch::load_chain` has its PDL build
     /// listed (so the NVRTC test compiles it), and the zero fill exists only as one.

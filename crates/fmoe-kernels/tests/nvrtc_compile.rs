@@ -100,28 +100,13 @@ fn root_or_skip() -> Option<PathBuf> {
     }
 }
 
-/// One program per (family, source, defines); its entries in catalog order.
-fn programs(variants: &[KernelVariant]) -> Vec<(KernelVariant, Vec<&'static str>)> {
-    let mut out: Vec<(KernelVariant, Vec<&'static str>)> = Vec::new();
-    for v in variants {
-        let same = |p: &KernelVariant| {
-            p.family == v.family && std::ptr::eq(p.source, v.source) && p.defines == v.defines
-        };
-        match out.iter_mut().find(|(p, _)| same(p)) {
-            Some((_, entries)) => entries.push(v.entry),
-            None => out.push((v.clone(), vec![v.entry])),
-        }
-    }
-    out
-}
-
 #[test]
 fn every_kernel_variant_compiles_for_sm90a() {
     let Some(root) = root_or_skip() else {
         return;
     };
     let variants = catalog::all();
-    let programs = programs(&variants);
+    let programs = catalog::programs(&variants);
     let next = Mutex::new(programs.iter());
     let failures = Mutex::new(Vec::new());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get().min(8));
@@ -227,6 +212,36 @@ fn catalog_covers_every_source_and_gemm_config() {
     }
     let names: BTreeSet<String> = variants.iter().map(KernelVariant::name).collect();
     assert_eq!(names.len(), variants.len(), "duplicate variants");
+}
+
+#[test]
+fn source_table_matches_the_cuda_folder_and_names_every_variant() {
+    let cuda = manifest_dir().join("cuda");
+    let on_disk: BTreeSet<String> = std::fs::read_dir(&cuda)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    let table: BTreeSet<String> = catalog::SOURCES
+        .iter()
+        .map(|(n, _)| n.to_string())
+        .collect();
+    assert_eq!(table, on_disk, "catalog::SOURCES must list every cuda/*.cu");
+    for (name, text) in catalog::SOURCES {
+        assert_eq!(
+            *text,
+            std::fs::read_to_string(cuda.join(name)).unwrap(),
+            "{name}"
+        );
+    }
+    for v in catalog::all() {
+        assert!(
+            v.source_file().is_some(),
+            "{}: source not in catalog::SOURCES",
+            v.name()
+        );
+    }
 }
 
 #[test]

@@ -24,8 +24,10 @@
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
+use std::sync::Arc;
+
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
-use fmoe_core::cuda::{CudaStorage, cuda_error};
+use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
 use super::cuda_fp8::{swapab_route_block, swapab_stages, swapab_stages_for};
@@ -1110,7 +1112,40 @@ pub(super) fn gemm2_weighted_sum(
         route_rows: false,
     };
     let (_, _, splits) = gemm_plan(&g, backend.multiprocessor_count() as usize);
+    // Route rows: only the persistent 128-row kernel with one K split stores them.
     let kernel_can = matches!(rb.cfg.kind, GemmKind::Sm90Pipe { .. }) && splits == 1;
+    gemm2_summed(
+        op,
+        backend,
+        routes,
+        topk_ids,
+        (m, top_k, k),
+        out_dtype,
+        sum,
+        kernel_can,
+        |out, route_rows| {
+            g.route_rows = route_rows;
+            launch_gemm(op, &g, out)
+        },
+    )
+}
+
+/// GEMM2's output side, the same for the bf16 and the fp8 kernels: where [`route_rows_chosen`]
+/// says so (`kernel_can`: the caller's planned launch can store route rows; `topk_ids` given),
+/// per-route bf16 rows [R, K] summed by [`sum_route_rows`]; else f32 atomics into a zeroed y32
+/// [M, K] and the cast to `out_dtype`. `launch(out, route_rows)` launches GEMM2 into `out`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm2_summed(
+    op: &'static str,
+    backend: &Arc<CudaBackend>,
+    routes: &AlignedRoutes,
+    topk_ids: Option<&Tensor>,
+    (m, top_k, k): (usize, usize, usize),
+    out_dtype: DType,
+    sum: Gemm2Sum,
+    kernel_can: bool,
+    launch: impl FnOnce(&mut CudaStorage, bool) -> Result<()>,
+) -> Result<Tensor> {
     if let Some(topk_ids) = topk_ids
         && route_rows_chosen(
             sum,
@@ -1120,16 +1155,16 @@ pub(super) fn gemm2_weighted_sum(
             backend.l2_cache_bytes(),
         )
     {
-        g.route_rows = true;
         let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;
-        launch_gemm(op, &g, &mut rows)?;
-        let ids = cuda_storage(op, "topk_ids", topk_ids, device)?;
+        launch(&mut rows, true)?;
+        // backend.device() is the operands' device (their storage's backend).
+        let ids = cuda_storage(op, "topk_ids", topk_ids, backend.device())?;
         let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
         return Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?);
     }
     let mut y =
         crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::F32, m * k)?;
-    launch_gemm(op, &g, &mut y)?;
+    launch(&mut y, false)?;
     let y = Tensor::from_storage(Storage::Cuda(y), [m, k])?;
     crate::elementwise::to_dtype(&y, out_dtype)
 }

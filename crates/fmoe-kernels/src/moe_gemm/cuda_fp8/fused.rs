@@ -10,7 +10,7 @@ use super::support::{act_kind, check_dims, unsupported};
 use crate::Result;
 use crate::launch::cuda_storage;
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::cuda::{Gemm2Sum, route_rows_chosen, sum_route_rows};
+use crate::moe_gemm::cuda::{Gemm2Sum, gemm2_summed};
 use crate::moe_gemm::{ActOperand, ActQuant, ActScale, WeightOperand};
 use crate::quant_fp8::{FiniteCheck, cuda as qcuda};
 
@@ -224,25 +224,20 @@ pub(crate) fn gemm2(
         route_rows: false,
     };
     let (_, _, splits) = plan(&g, backend.multiprocessor_count() as usize);
+    // Route rows: only the warp-specialized kernels with one K split store them.
     let kernel_can = rb.cfg.ws && splits == 1;
-    if let Some(topk_ids) = topk_ids
-        && route_rows_chosen(
-            sum,
-            kernel_can,
-            (m, top_k, k),
-            out_dtype,
-            backend.l2_cache_bytes(),
-        )
-    {
-        g.route_rows = true;
-        let mut rows = CudaStorage::alloc(backend, DType::BF16, routes.num_routes * k)?;
-        launch(op, &g, None, None, None, Some(&mut rows))?;
-        let ids = cuda_storage(op, "topk_ids", topk_ids, device)?;
-        let y = sum_route_rows(op, &rows, ids, routes.num_experts, (m, top_k, k), out_dtype)?;
-        return cuda_tensor(y, &[m, k]);
-    }
-    let mut y =
-        crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::F32, m * k)?;
-    launch(op, &g, None, None, None, Some(&mut y))?;
-    crate::elementwise::to_dtype(&cuda_tensor(y, &[m, k])?, out_dtype)
+    gemm2_summed(
+        op,
+        backend,
+        routes,
+        topk_ids,
+        (m, top_k, k),
+        out_dtype,
+        sum,
+        kernel_can,
+        |out, route_rows| {
+            g.route_rows = route_rows;
+            launch(op, &g, None, None, None, Some(out))
+        },
+    )
 }
