@@ -65,19 +65,31 @@
 #endif
 #define WG_N 256
 #define BK 64
-#define NTHREADS 384
+// MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
+// three of 64 rows each.
+#define MMA_WGS (BM == 192 ? 3 : 2)
+#define NTHREADS (128 * (1 + MMA_WGS))
+// BM = 192: 512 threads get 128 registers each at launch (the register file), too few for the
+// MMA warpgroups' 128 accumulators; the loaders give theirs up (setmaxnreg) for the MMA warps.
+#ifndef LOADER_REGS
+#define LOADER_REGS 40
+#endif
+#ifndef MMA_REGS
+#define MMA_REGS 152
+#endif
+static_assert(BM != 192 || 128 * LOADER_REGS + 384 * MMA_REGS <= 65536, "one block's registers");
 #define LOADERS 128
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (WG_N * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define NO_ROW 0xFFFFFFFFu
-// MMA warpgroups along M and the weight rows each one multiplies.
-#define CONS_M (BM / 64)
-#define CW_N (WG_N * CONS_M / 2)
+// Weight rows each MMA warpgroup multiplies.
+#define CW_N (BM == 64 ? WG_N / 2 : WG_N)
 #define A_PER_THREAD (BM * 8 / LOADERS)
 
-static_assert(BM == 64 || BM == 128, "two MMA warpgroups: 2 x 64 rows or 64 rows x 2 halves of N");
+static_assert(BM == 64 || BM == 128 || BM == 192, "MMA warpgroups of 64 rows, or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
+static_assert(BM != 192 || DYNAMIC, "BM = 192 keeps A rows in shared memory, ordered by the claim's barrier");
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
@@ -99,6 +111,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+#if BM == 192
+    __shared__ unsigned int a_rows[BM];  // the loaders' gathered A row of each tile row
+#endif
 #if DYNAMIC
     // Tile ids from the loader to the MMA warps: slot j % 2 holds the block's j-th tile.
     __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
@@ -130,12 +145,12 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, LOADERS);
-            mbar_init(empty0 + 8 * s, 8);  // one arrival per MMA warp
+            mbar_init(empty0 + 8 * s, 4 * MMA_WGS);  // one arrival per MMA warp
         }
 #if DYNAMIC
         for (int j = 0; j < 2; ++j) {
             mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_full[j])), 1);
-            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 8);
+            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 4 * MMA_WGS);
         }
 #endif
     }
@@ -149,6 +164,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     unsigned int it = 0;
     if (wg == 0) {
         // Loader warpgroup: chunk (tid & 7) of rows (tid >> 3) + 16 i of every A tile.
+#if BM == 192
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(LOADER_REGS) : "memory");
+#endif
         const unsigned int ch = tid & 7;
 #if DYNAMIC
         for (unsigned int j = 0;; ++j) {
@@ -176,6 +194,21 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
             const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * WG_N);
 #endif
+#if BM == 192
+            // The gathered A row of each tile row in shared memory (LOADER_REGS registers are
+            // too few for 12 per thread). The claim's bar.sync ordered every loader's reads of
+            // the previous tile's rows before these writes.
+            for (unsigned int r = tid; r < BM; r += LOADERS) {
+                const unsigned int rt = sorted_routes[m0 + r];
+#if MODE == 1
+                a_rows[r] = rt < num_routes ? rt / top_k : NO_ROW;
+#else
+                a_rows[r] = rt < num_routes ? rt : NO_ROW;
+#endif
+            }
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+#define A_ROW(i) a_rows[(tid >> 3) + 16 * (i)]
+#else
             unsigned int a_row[A_PER_THREAD];
 #pragma unroll
             for (int i = 0; i < A_PER_THREAD; ++i) {
@@ -186,6 +219,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                 a_row[i] = rt < num_routes ? rt : NO_ROW;
 #endif
             }
+#define A_ROW(i) a_row[i]
+#endif
             for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES;
                 // Slot s last held K tile it - STAGES: wait until the MMA warps released it.
@@ -211,8 +246,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
                 for (int i = 0; i < A_PER_THREAD; ++i) {
                     const unsigned int r = (tid >> 3) + 16 * i;
-                    const bool ok = a_row[i] != NO_ROW && col < kd;
-                    cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)a_row[i] * kd + col : 0), ok);
+                    const unsigned int row = A_ROW(i);
+                    const bool ok = row != NO_ROW && col < kd;
+                    cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
                 }
                 cp_async_arrive_noinc(full_s);
             }
@@ -222,9 +258,12 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         return;
     }
 
-    // MMA warpgroups 1 and 2.
+    // MMA warpgroups 1 .. MMA_WGS.
+#if BM == 192
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MMA_REGS) : "memory");
+#endif
     const unsigned int cw = wg - 1;
-    const unsigned int cm = BM == 128 ? cw : 0, cn = BM == 128 ? 0 : cw;
+    const unsigned int cm = BM == 64 ? 0 : cw, cn = BM == 64 ? cw : 0;
 #if DYNAMIC
     for (unsigned int j = 0;; ++j) {
         mbar_wait(tfull0 + 8 * (j & 1), (j >> 1) & 1);

@@ -152,6 +152,16 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
     raster_gm: 16,
 };
 
+/// [`SM90_LARGE`] with 192-row tiles: three MMA warpgroups of 64 rows (512 threads, the loaders'
+/// registers handed to them by setmaxnreg), 4 stages of 56 KiB. A 192 × 256 tile pulls 448 rows
+/// of 128 bytes from L2 per 64-wide K step for 192 × 256 outputs, 1.3× fewer bytes per FLOP than
+/// 128 × 256 (the prefill GEMMs are L2→SM bound, BENCHMARKS.md), and an expert with 129–192
+/// routes needs one tile instead of two (one pass over its weights).
+pub const SM90_TALL: GemmConfig = GemmConfig {
+    bm: 192,
+    ..SM90_LARGE
+};
+
 /// The first [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
 /// both load and multiply, a block barrier per K tile), launch order. Kept as the baseline
 /// experiment "sync".
@@ -294,6 +304,24 @@ fn mid_max_routes_per_expert() -> usize {
 /// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
+/// Average routes per expert from which [`SM90_TALL`] replaces [`SM90_LARGE`]; `None`: never
+/// (the dev knob [`DEV_TALL_ROUTES_ENV`] sets it).
+pub const TALL_TILE_ROUTES_PER_EXPERT: Option<usize> = None;
+
+/// Dev-only: `FMOE_DEV_TALL_ROUTES=<n>` runs [`SM90_TALL`] from `n` routes per expert on average
+/// (at least the large tiles' threshold; `0` = never); read once per process.
+pub const DEV_TALL_ROUTES_ENV: &str = "FMOE_DEV_TALL_ROUTES";
+
+/// [`TALL_TILE_ROUTES_PER_EXPERT`], or the [`DEV_TALL_ROUTES_ENV`] override.
+fn tall_tile_routes_per_expert() -> Option<usize> {
+    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    match dev_knob(&CELL, DEV_TALL_ROUTES_ENV) {
+        Some(0) => None,
+        Some(n) => Some(n),
+        None => TALL_TILE_ROUTES_PER_EXPERT,
+    }
+}
+
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
@@ -362,6 +390,8 @@ impl GemmConfig {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
             SM90_MID
+        } else if tall_tile_routes_per_expert().is_some_and(|n| num_routes >= n * experts) {
+            SM90_TALL
         } else {
             SM90_LARGE
         }
@@ -392,10 +422,17 @@ impl GemmConfig {
     /// [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
         let swapab = |bn| sm90_swapab(bn, swapab_stages_for(bn));
-        [swapab(16), swapab(32), SM90_SMALL, SM90_LARGE, MMA]
-            .into_iter()
-            .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
-            .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
+        [
+            swapab(16),
+            swapab(32),
+            SM90_SMALL,
+            SM90_LARGE,
+            SM90_TALL,
+            MMA,
+        ]
+        .into_iter()
+        .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
+        .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
     }
 }
 
@@ -420,7 +457,14 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
-            GemmKind::Sm90Pipe { .. } => 384,
+            // A loader warpgroup and two MMA warpgroups (three for 192-row tiles).
+            GemmKind::Sm90Pipe { .. } => {
+                if self.bm == 192 {
+                    512
+                } else {
+                    384
+                }
+            }
             // Two MMA warpgroups and one loader warp (a loader warpgroup from BN = 64 on).
             GemmKind::SwapAb => super::cuda_fp8::swapab_threads(self.bm),
         }
@@ -546,7 +590,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
     let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
-    for cfg in [MMA, SM90_SMALL, SM90_MID]
+    for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL]
         .into_iter()
         .chain(swapabs)
         .chain(experiments)
@@ -567,16 +611,18 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             });
         }
     }
-    // GEMM2 with per-route rows (the pipe kernel of SM90_LARGE) and their top-k sum.
-    let (family, source) = SM90_LARGE.source();
-    let mut defines = SM90_LARGE.defines(2);
-    defines.push(route_rows_define());
-    v.push(KernelVariant {
-        family,
-        source,
-        entry: GEMM_ENTRY,
-        defines,
-    });
+    // GEMM2 with per-route rows (the pipe kernels of SM90_LARGE and SM90_TALL) and their top-k sum.
+    for cfg in [SM90_LARGE, SM90_TALL] {
+        let (family, source) = cfg.source();
+        let mut defines = cfg.defines(2);
+        defines.push(route_rows_define());
+        v.push(KernelVariant {
+            family,
+            source,
+            entry: GEMM_ENTRY,
+            defines,
+        });
+    }
     for out_f32 in ["0", "1"] {
         v.push(KernelVariant {
             family: FINALIZE_FAMILY,
@@ -980,7 +1026,12 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         let box_rows = if cfg.kind == GemmKind::SwapAb {
             128
         } else if g.mode == 1 {
-            cfg.wg_n * cfg.bm / 256
+            // Two boxes per MMA warpgroup's weight rows (BM = 64: each warpgroup has half).
+            if cfg.bm == 64 {
+                cfg.wg_n / 4
+            } else {
+                cfg.wg_n / 2
+            }
         } else {
             cfg.wg_n
         };
