@@ -63,21 +63,18 @@
 #ifndef DYNAMIC
 #define DYNAMIC 0
 #endif
-#define WG_N 256
+#ifndef WG_N
+#define WG_N 256  // weight rows per tile (BM = 192: 192)
+#endif
 #define BK 64
 // MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
 // three of 64 rows each.
 #define MMA_WGS (BM == 192 ? 3 : 2)
 #define NTHREADS (128 * (1 + MMA_WGS))
-// BM = 192: 512 threads get 128 registers each at launch (the register file), too few for the
-// MMA warpgroups' 128 accumulators; the loaders give theirs up (setmaxnreg) for the MMA warps.
-#ifndef LOADER_REGS
-#define LOADER_REGS 40
-#endif
-#ifndef MMA_REGS
-#define MMA_REGS 152
-#endif
-static_assert(BM != 192 || 128 * LOADER_REGS + 384 * MMA_REGS <= 65536, "one block's registers");
+// BM = 192: 512 threads, so at most 128 registers each (ptxas compiles every warp to the launch
+// bound; setmaxnreg does not raise it): 192 weight rows (96 accumulators) per tile, not 256.
+static_assert(BM != 192 || WG_N == 192, "512 threads fit 64 x 192 accumulator slabs, not 64 x 256");
+static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weight rows");
 #define LOADERS 128
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (WG_N * BK * 2)
@@ -164,9 +161,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     unsigned int it = 0;
     if (wg == 0) {
         // Loader warpgroup: chunk (tid & 7) of rows (tid >> 3) + 16 i of every A tile.
-#if BM == 192
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(LOADER_REGS) : "memory");
-#endif
         const unsigned int ch = tid & 7;
 #if DYNAMIC
         for (unsigned int j = 0;; ++j) {
@@ -195,9 +189,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * WG_N);
 #endif
 #if BM == 192
-            // The gathered A row of each tile row in shared memory (LOADER_REGS registers are
-            // too few for 12 per thread). The claim's bar.sync ordered every loader's reads of
-            // the previous tile's rows before these writes.
+            // The gathered A row of each tile row in shared memory (12 per thread would crowd the
+            // 128 registers). The claim's bar.sync ordered every loader's reads of the previous
+            // tile's rows before these writes.
             for (unsigned int r = tid; r < BM; r += LOADERS) {
                 const unsigned int rt = sorted_routes[m0 + r];
 #if MODE == 1
@@ -259,9 +253,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     }
 
     // MMA warpgroups 1 .. MMA_WGS.
-#if BM == 192
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(MMA_REGS) : "memory");
-#endif
     const unsigned int cw = wg - 1;
     const unsigned int cm = BM == 64 ? 0 : cw, cn = BM == 64 ? cw : 0;
 #if DYNAMIC
@@ -291,8 +282,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks) {
-#if BM == 128
+#if CW_N == 256
                 wgmma_m64n256k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
+#elif CW_N == 192
+                wgmma_m64n192k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #else
                 wgmma_m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #endif

@@ -152,13 +152,14 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
     raster_gm: 16,
 };
 
-/// [`SM90_LARGE`] with 192-row tiles: three MMA warpgroups of 64 rows (512 threads, the loaders'
-/// registers handed to them by setmaxnreg), 4 stages of 56 KiB. A 192 × 256 tile pulls 448 rows
-/// of 128 bytes from L2 per 64-wide K step for 192 × 256 outputs, 1.3× fewer bytes per FLOP than
-/// 128 × 256 (the prefill GEMMs are L2→SM bound, BENCHMARKS.md), and an expert with 129–192
-/// routes needs one tile instead of two (one pass over its weights).
+/// [`SM90_LARGE`] with 192 × 192 tiles: three MMA warpgroups of 64 rows (512 threads, so 128
+/// registers each: 64 × 192 accumulator slabs; 64 × 256 would need 154), 4 stages of 48 KiB. Per
+/// 64-wide K step a tile pulls 384 rows of 128 bytes from L2 for 192 × 192 outputs, 1.13× fewer
+/// bytes per FLOP than 128 × 256 (the prefill GEMMs are L2→SM bound, BENCHMARKS.md), and an
+/// expert with 129–192 routes needs one M block instead of two (one pass over its weights).
 pub const SM90_TALL: GemmConfig = GemmConfig {
     bm: 192,
+    wg_n: 192,
     ..SM90_LARGE
 };
 
@@ -512,6 +513,9 @@ impl GemmConfig {
                 d.push(("BM", self.bm.to_string()));
                 d.push(("PERSIST", u32::from(persistent).to_string()));
                 d.push(("DYNAMIC", u32::from(dynamic).to_string()));
+                if self.wg_n != 256 {
+                    d.push(("WG_N", self.wg_n.to_string()));
+                }
             }
             GemmKind::SwapAb => {
                 d.push(("ELEM_BF16", "1".to_string()));
