@@ -1,8 +1,8 @@
 // moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM (one loader warpgroup,
 // two MMA warpgroups, weights through TMA), optionally persistent. Same MODEs, arguments and
 // contract as moe_gemm_bf16_sm90.cu, plus the weights' tensor map `b_map`, three u32 (n_tiles,
-// m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256,
-// BM = 128 or 64.
+// m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256 with
+// BM = 128 or 64, or WG_N = 192 with BM = 192 (three MMA warpgroups, 512 threads).
 //
 // Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
 // `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
@@ -20,7 +20,9 @@
 // two-slot ring of tile ids with its own mbarriers). PERSIST=0: one tile per block, the grid is
 // (n_tiles, m_blocks, splits).
 //
-// Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256).
+// Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256);
+// BM = 192: the same with three warpgroups and 192 weight rows (m64n192; 512 threads leave 128
+// registers each, which ptxas will not exceed for setmaxnreg, so not 256).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
 // Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
@@ -86,7 +88,6 @@ static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weig
 
 static_assert(BM == 64 || BM == 128 || BM == 192, "MMA warpgroups of 64 rows, or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
-static_assert(BM != 192 || DYNAMIC, "BM = 192 keeps A rows in shared memory, ordered by the claim's barrier");
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
@@ -108,9 +109,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
-#if BM == 192
-    __shared__ unsigned int a_rows[BM];  // the loaders' gathered A row of each tile row
-#endif
 #if DYNAMIC
     // Tile ids from the loader to the MMA warps: slot j % 2 holds the block's j-th tile.
     __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
@@ -188,21 +186,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #else
             const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * WG_N);
 #endif
-#if BM == 192
-            // The gathered A row of each tile row in shared memory (12 per thread would crowd the
-            // 128 registers). The claim's bar.sync ordered every loader's reads of the previous
-            // tile's rows before these writes.
-            for (unsigned int r = tid; r < BM; r += LOADERS) {
-                const unsigned int rt = sorted_routes[m0 + r];
-#if MODE == 1
-                a_rows[r] = rt < num_routes ? rt / top_k : NO_ROW;
-#else
-                a_rows[r] = rt < num_routes ? rt : NO_ROW;
-#endif
-            }
-            asm volatile("bar.sync 1, 128;\n" ::: "memory");
-#define A_ROW(i) a_rows[(tid >> 3) + 16 * (i)]
-#else
             unsigned int a_row[A_PER_THREAD];
 #pragma unroll
             for (int i = 0; i < A_PER_THREAD; ++i) {
@@ -213,8 +196,6 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                 a_row[i] = rt < num_routes ? rt : NO_ROW;
 #endif
             }
-#define A_ROW(i) a_row[i]
-#endif
             for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES;
                 // Slot s last held K tile it - STAGES: wait until the MMA warps released it.
@@ -240,7 +221,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
                 for (int i = 0; i < A_PER_THREAD; ++i) {
                     const unsigned int r = (tid >> 3) + 16 * i;
-                    const unsigned int row = A_ROW(i);
+                    const unsigned int row = a_row[i];
                     const bool ok = row != NO_ROW && col < kd;
                     cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
                 }

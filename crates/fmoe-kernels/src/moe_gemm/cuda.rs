@@ -153,10 +153,11 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
 };
 
 /// [`SM90_LARGE`] with 192 × 192 tiles: three MMA warpgroups of 64 rows (512 threads, so 128
-/// registers each: 64 × 192 accumulator slabs; 64 × 256 would need 154), 4 stages of 48 KiB. Per
-/// 64-wide K step a tile pulls 384 rows of 128 bytes from L2 for 192 × 192 outputs, 1.13× fewer
-/// bytes per FLOP than 128 × 256 (the prefill GEMMs are L2→SM bound, BENCHMARKS.md), and an
-/// expert with 129–192 routes needs one M block instead of two (one pass over its weights).
+/// registers each: 64 × 192 accumulator slabs; 64 × 256 would need 154), 4 stages of 48 KiB. An
+/// expert with 129–192 routes takes one M block instead of two 128-row ones (one pass over its
+/// weights instead of two: DeepSeek-V3 at M = 4096 read 1.45× its GEMM1 weight bytes from DRAM
+/// with 128-row tiles), and a tile pulls 1.13× fewer L2 bytes per FLOP than 128 × 256; the
+/// tensor pipe is as busy as with 128 × 256 where both are compute-bound.
 pub const SM90_TALL: GemmConfig = GemmConfig {
     bm: 192,
     wg_n: 192,
@@ -305,22 +306,35 @@ fn mid_max_routes_per_expert() -> usize {
 /// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
-/// Average routes per expert from which [`SM90_TALL`] replaces [`SM90_LARGE`]; `None`: never
-/// (the dev knob [`DEV_TALL_ROUTES_ENV`] sets it).
-pub const TALL_TILE_ROUTES_PER_EXPERT: Option<usize> = None;
+/// Average routes per expert where [`SM90_TALL`] replaces [`SM90_LARGE`]: there most experts fit
+/// one 192-row block, where 128-row tiles give many of them a second, mostly empty block that
+/// streams the expert's weights again. H200 (BENCHMARKS.md, "192 x 192"): 1.13-1.20x at 128 and
+/// 160 routes per expert on DeepSeek-V3, 1.16x at 160 and a tie at 128 on Mixtral-8x7B; 0.87-0.94x
+/// at 96 (one 128-row block already holds an expert), 192 and 256 (experts past 192 routes need
+/// two 192-row blocks), 0.98-1.0x where compute-bound (4096 per expert).
+pub const TALL_TILE_ROUTES_PER_EXPERT: std::ops::Range<usize> = 128..176;
 
-/// Dev-only: `FMOE_DEV_TALL_ROUTES=<n>` runs [`SM90_TALL`] from `n` routes per expert on average
-/// (at least the large tiles' threshold; `0` = never); read once per process.
+/// Dev-only: `FMOE_DEV_TALL_ROUTES=<lo>-<hi>` runs [`SM90_TALL`] from `lo` to below `hi` routes per
+/// expert on average instead of [`TALL_TILE_ROUTES_PER_EXPERT`] (`0`: never); read once per process.
 pub const DEV_TALL_ROUTES_ENV: &str = "FMOE_DEV_TALL_ROUTES";
 
 /// [`TALL_TILE_ROUTES_PER_EXPERT`], or the [`DEV_TALL_ROUTES_ENV`] override.
-fn tall_tile_routes_per_expert() -> Option<usize> {
-    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    match dev_knob(&CELL, DEV_TALL_ROUTES_ENV) {
-        Some(0) => None,
-        Some(n) => Some(n),
-        None => TALL_TILE_ROUTES_PER_EXPERT,
-    }
+fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
+    static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
+    CELL.get_or_init(|| {
+        let Ok(v) = std::env::var(DEV_TALL_ROUTES_ENV) else {
+            return TALL_TILE_ROUTES_PER_EXPERT;
+        };
+        let parsed = match v.split_once('-') {
+            Some((lo, hi)) => lo.parse().ok().zip(hi.parse().ok()).map(|(lo, hi)| lo..hi),
+            None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
+        };
+        parsed.unwrap_or_else(|| {
+            eprintln!("fmoe: {DEV_TALL_ROUTES_ENV}={v:?} is not <lo>-<hi> or 0; using the default");
+            TALL_TILE_ROUTES_PER_EXPERT
+        })
+    })
+    .clone()
 }
 
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
@@ -391,7 +405,7 @@ impl GemmConfig {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
             SM90_MID
-        } else if tall_tile_routes_per_expert().is_some_and(|n| num_routes >= n * experts) {
+        } else if tall_tile_routes_per_expert().contains(&(num_routes / experts)) {
             SM90_TALL
         } else {
             SM90_LARGE
@@ -1524,7 +1538,13 @@ mod select_tests {
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
-        assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::select(h, 127 * 8, 8), SM90_LARGE);
+        // 128 to 175 routes per expert: the 192-row tiles.
+        assert_eq!(GemmConfig::select(h, 128 * 8, 8), SM90_TALL); // Mixtral, M = 512
+        assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_TALL); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::select(h, 176 * 8 - 1, 8), SM90_TALL);
+        assert_eq!(GemmConfig::select(h, 176 * 8, 8), SM90_LARGE);
+        assert_eq!(GemmConfig::select(h, 8192 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 8192
         assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
         assert_eq!(GemmConfig::select(h, 2048 * 8, 256), SM90_LARGE);
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
