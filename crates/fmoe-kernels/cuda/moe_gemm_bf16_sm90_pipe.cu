@@ -1,8 +1,8 @@
 // moe_gemm_bf16_sm90_pipe: the warp-specialized wgmma grouped expert GEMM (one loader warpgroup,
 // two MMA warpgroups, weights through TMA), optionally persistent. Same MODEs, arguments and
 // contract as moe_gemm_bf16_sm90.cu, plus the weights' tensor map `b_map`, three u32 (n_tiles,
-// m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256,
-// BM = 128 or 64.
+// m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256 with
+// BM = 128 or 64, or WG_N = 192 with BM = 192 (three MMA warpgroups, 512 threads).
 //
 // Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
 // `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
@@ -20,7 +20,9 @@
 // two-slot ring of tile ids with its own mbarriers). PERSIST=0: one tile per block, the grid is
 // (n_tiles, m_blocks, splits).
 //
-// Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256).
+// Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256);
+// BM = 192: the same with three warpgroups and 192 weight rows (m64n192; 512 threads leave 128
+// registers each, which ptxas will not exceed for setmaxnreg, so not 256).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
 // Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
@@ -63,20 +65,28 @@
 #ifndef DYNAMIC
 #define DYNAMIC 0
 #endif
-#define WG_N 256
+#ifndef WG_N
+#define WG_N 256  // weight rows per tile (BM = 192: 192)
+#endif
 #define BK 64
-#define NTHREADS 384
+// MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
+// three of 64 rows each.
+#define MMA_WGS (BM == 192 ? 3 : 2)
+#define NTHREADS (128 * (1 + MMA_WGS))
+// BM = 192: 512 threads, so at most 128 registers each (ptxas compiles every warp to the launch
+// bound; setmaxnreg does not raise it): 192 weight rows (96 accumulators) per tile, not 256.
+static_assert(BM != 192 || WG_N == 192, "512 threads fit 64 x 192 accumulator slabs, not 64 x 256");
+static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weight rows");
 #define LOADERS 128
 #define A_BYTES (BM * BK * 2)
 #define B_BYTES (WG_N * BK * 2)
 #define STAGE_BYTES (A_BYTES + B_BYTES)
 #define NO_ROW 0xFFFFFFFFu
-// MMA warpgroups along M and the weight rows each one multiplies.
-#define CONS_M (BM / 64)
-#define CW_N (WG_N * CONS_M / 2)
+// Weight rows each MMA warpgroup multiplies.
+#define CW_N (BM == 64 ? WG_N / 2 : WG_N)
 #define A_PER_THREAD (BM * 8 / LOADERS)
 
-static_assert(BM == 64 || BM == 128, "two MMA warpgroups: 2 x 64 rows or 64 rows x 2 halves of N");
+static_assert(BM == 64 || BM == 128 || BM == 192, "MMA warpgroups of 64 rows, or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -130,12 +140,12 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, LOADERS);
-            mbar_init(empty0 + 8 * s, 8);  // one arrival per MMA warp
+            mbar_init(empty0 + 8 * s, 4 * MMA_WGS);  // one arrival per MMA warp
         }
 #if DYNAMIC
         for (int j = 0; j < 2; ++j) {
             mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_full[j])), 1);
-            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 8);
+            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 4 * MMA_WGS);
         }
 #endif
     }
@@ -211,8 +221,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
                 for (int i = 0; i < A_PER_THREAD; ++i) {
                     const unsigned int r = (tid >> 3) + 16 * i;
-                    const bool ok = a_row[i] != NO_ROW && col < kd;
-                    cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)a_row[i] * kd + col : 0), ok);
+                    const unsigned int row = a_row[i];
+                    const bool ok = row != NO_ROW && col < kd;
+                    cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
                 }
                 cp_async_arrive_noinc(full_s);
             }
@@ -222,9 +233,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         return;
     }
 
-    // MMA warpgroups 1 and 2.
+    // MMA warpgroups 1 .. MMA_WGS.
     const unsigned int cw = wg - 1;
-    const unsigned int cm = BM == 128 ? cw : 0, cn = BM == 128 ? 0 : cw;
+    const unsigned int cm = BM == 64 ? 0 : cw, cn = BM == 64 ? cw : 0;
 #if DYNAMIC
     for (unsigned int j = 0;; ++j) {
         mbar_wait(tfull0 + 8 * (j & 1), (j >> 1) & 1);
@@ -252,8 +263,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < BK / 16; ++ks) {
-#if BM == 128
+#if CW_N == 256
                 wgmma_m64n256k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
+#elif CW_N == 192
+                wgmma_m64n192k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #else
                 wgmma_m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #endif

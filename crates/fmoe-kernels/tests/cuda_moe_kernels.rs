@@ -109,7 +109,7 @@ fn moe_align_matches_the_cpu_twin() {
             })
             .collect();
         let cpu_ids = Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap();
-        for bm in [CUDA_BLOCK_M, 16] {
+        for bm in [CUDA_BLOCK_M, 16, 192] {
             let what = format!("M={m} E={e} k={k} block_m={bm}");
             let cpu = align_routes(&cpu_ids, e, bm).unwrap();
             let gpu = align_routes(&cpu_ids.to_device(CUDA).unwrap(), e, bm).unwrap();
@@ -298,7 +298,7 @@ fn bf16_grouped_gemms_match_the_cpu_twin_at_every_m_tile() {
     let w2 = WeightOperand::Plain(Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap());
     let (w13g, w2g) = (w13.to_device(CUDA).unwrap(), w2.to_device(CUDA).unwrap());
     let block_ms: &[usize] = if b.compute_capability() == (9, 0) {
-        &[16, 64, 128]
+        &[16, 64, 128, 192]
     } else {
         &[64]
     };

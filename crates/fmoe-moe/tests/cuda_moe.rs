@@ -148,22 +148,40 @@ fn large_shapes_match_the_f64_reference() {
 
 /// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
 /// warpgroup halves: 2, 64 (the second half all padding), 65 (one live row in it), 127, 128 (one
-/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193; 112 per expert on average,
-/// so the 128-row kernel runs, and N = 2040 gives GEMM2 a split reduction with a ragged last K
-/// tile.
+/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193, and two experts of 600 and
+/// 700 that lift the average to 220 per expert, past the 192-row tiles' range, so the 128-row
+/// kernel runs; N = 2040 gives GEMM2 a split reduction with a ragged last K tile.
 #[test]
 fn large_tile_edges_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193];
+    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193, 600, 700];
+    tile_edges_case(&counts, 9100, "BM=128");
+}
+
+/// The 192-row tiles' edges: 2, 64 and 65 (the first warpgroup's 64 rows full, one row for the
+/// second), 128 and 130 (the third warpgroup empty, one row), 191, 192 (one full tile), 193 (a
+/// second tile with one route), 300 (a second tile with 108); 140 per expert on average, in the
+/// 192-row tiles' range.
+#[test]
+fn tall_tile_edges_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    tile_edges_case(&[2, 64, 65, 128, 130, 191, 192, 193, 300], 9200, "BM=192");
+}
+
+/// One layer whose experts get exactly `counts` routes (top-2), checked against the f64 reference;
+/// asserts the persistent pipe kernel with `tile` ran.
+fn tile_edges_case(counts: &[usize], seed: u64, tile: &str) {
     let routes: usize = counts.iter().sum();
     let c = case(routes / 2, counts.len(), 256, 2040, 2);
-    let inp = inputs(&c, 9100);
+    let inp = inputs(&c, seed);
     // Expert ids in runs, token t taking runs[t] and runs[t + M]: two different experts per
     // token, as no expert has more than M routes.
     let runs: Vec<u32> = (0u32..)
-        .zip(counts)
+        .zip(counts.iter().copied())
         .flat_map(|(e, n)| std::iter::repeat_n(e, n))
         .collect();
     assert!(counts.iter().all(|&n| n <= c.m));
@@ -175,12 +193,13 @@ fn large_tile_edges_match_the_f64_reference() {
         ids: Tensor::from_vec(ids, [c.m, 2], &CUDA).unwrap(),
         weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
     };
-    let ((), launches) = trace_launches(|| check_case("128-row tile edges", &c, &inp, &topk));
+    let ((), launches) =
+        trace_launches(|| check_case(&format!("{tile} tile edges"), &c, &inp, &topk));
     assert!(
         launches
             .iter()
-            .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains("BM=128")),
-        "the 128-row prefill GEMM did not run: {launches:?}"
+            .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains(&format!("{tile},"))),
+        "the {tile} prefill GEMM did not run: {launches:?}"
     );
 }
 

@@ -55,6 +55,10 @@ __device__ __forceinline__ void wgmma_fence_operands(float* acc) {
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
     "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+// N = 192: the first 96 accumulators.
+#define FMOE_WGMMA_ACC_N192 \
+    FMOE_WGMMA_ACC_N128, \
+    "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define FMOE_WGMMA_ACC_N256 \
     FMOE_WGMMA_ACC_N128, \
     "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
@@ -70,6 +74,9 @@ __device__ __forceinline__ void wgmma_fence_operands(float* acc) {
     "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31," \
     "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
     "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define FMOE_WGMMA_REGS_N192 \
+    FMOE_WGMMA_REGS_N128 "," \
+    "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
 #define FMOE_WGMMA_REGS_N256 \
     FMOE_WGMMA_REGS_N128 "," \
     "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
@@ -88,6 +95,18 @@ __device__ __forceinline__ void wgmma_m64n128k16_bf16(float* d, unsigned long lo
         "{" FMOE_WGMMA_REGS_N128 "}, %64, %65, p, 1, 1, 0, 0;\n"
         "}\n"
         : FMOE_WGMMA_ACC_N128
+        : "l"(da), "l"(db), "r"(scale_d));
+}
+
+__device__ __forceinline__ void wgmma_m64n192k16_bf16(float* d, unsigned long long da, unsigned long long db, int scale_d) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %98, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+        "{" FMOE_WGMMA_REGS_N192 "}, %96, %97, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : FMOE_WGMMA_ACC_N192
         : "l"(da), "l"(db), "r"(scale_d));
 }
 

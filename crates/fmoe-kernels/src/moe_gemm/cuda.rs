@@ -154,6 +154,18 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
     raster_gm: 16,
 };
 
+/// [`SM90_LARGE`] with 192 × 192 tiles: three MMA warpgroups of 64 rows (512 threads, so 128
+/// registers each: 64 × 192 accumulator slabs; 64 × 256 would need 154), 4 stages of 48 KiB. An
+/// expert with 129–192 routes takes one M block instead of two 128-row ones (one pass over its
+/// weights instead of two: DeepSeek-V3 at M = 4096 read 1.45× its GEMM1 weight bytes from DRAM
+/// with 128-row tiles), and a tile pulls 1.13× fewer L2 bytes per FLOP than 128 × 256; the
+/// tensor pipe is as busy as with 128 × 256 where both are compute-bound.
+pub const SM90_TALL: GemmConfig = GemmConfig {
+    bm: 192,
+    wg_n: 192,
+    ..SM90_LARGE
+};
+
 /// The first [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
 /// both load and multiply, a block barrier per K tile), launch order. Kept as the baseline
 /// experiment "sync".
@@ -296,6 +308,37 @@ fn mid_max_routes_per_expert() -> usize {
 /// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
+/// Average routes per expert where [`SM90_TALL`] replaces [`SM90_LARGE`]: there most experts fit
+/// one 192-row block, where 128-row tiles give many of them a second, mostly empty block that
+/// streams the expert's weights again. H200 (BENCHMARKS.md, "192 x 192"): 1.13-1.20x at 128 and
+/// 160 routes per expert on DeepSeek-V3, 1.16x at 160 and a tie at 128 on Mixtral-8x7B; 0.87-0.94x
+/// at 96 (one 128-row block already holds an expert), 192 and 256 (experts past 192 routes need
+/// two 192-row blocks), 0.98-1.0x where compute-bound (4096 per expert).
+pub const TALL_TILE_ROUTES_PER_EXPERT: std::ops::Range<usize> = 128..176;
+
+/// Dev-only: `FMOE_DEV_TALL_ROUTES=<lo>-<hi>` runs [`SM90_TALL`] from `lo` to below `hi` routes per
+/// expert on average instead of [`TALL_TILE_ROUTES_PER_EXPERT`] (`0`: never); read once per process.
+pub const DEV_TALL_ROUTES_ENV: &str = "FMOE_DEV_TALL_ROUTES";
+
+/// [`TALL_TILE_ROUTES_PER_EXPERT`], or the [`DEV_TALL_ROUTES_ENV`] override.
+fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
+    static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
+    CELL.get_or_init(|| {
+        let Ok(v) = std::env::var(DEV_TALL_ROUTES_ENV) else {
+            return TALL_TILE_ROUTES_PER_EXPERT;
+        };
+        let parsed = match v.split_once('-') {
+            Some((lo, hi)) => lo.parse().ok().zip(hi.parse().ok()).map(|(lo, hi)| lo..hi),
+            None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
+        };
+        parsed.unwrap_or_else(|| {
+            eprintln!("fmoe: {DEV_TALL_ROUTES_ENV}={v:?} is not <lo>-<hi> or 0; using the default");
+            TALL_TILE_ROUTES_PER_EXPERT
+        })
+    })
+    .clone()
+}
+
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
@@ -364,6 +407,8 @@ impl GemmConfig {
             SM90_SMALL
         } else if num_routes < mid_max * experts {
             SM90_MID
+        } else if tall_tile_routes_per_expert().contains(&(num_routes / experts)) {
+            SM90_TALL
         } else {
             SM90_LARGE
         }
@@ -394,10 +439,17 @@ impl GemmConfig {
     /// [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV) if set).
     pub fn for_block_m(cc: (u32, u32), block_m: usize) -> Option<GemmConfig> {
         let swapab = |bn| sm90_swapab(bn, swapab_stages_for(bn));
-        [swapab(16), swapab(32), SM90_SMALL, SM90_LARGE, MMA]
-            .into_iter()
-            .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
-            .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
+        [
+            swapab(16),
+            swapab(32),
+            SM90_SMALL,
+            SM90_LARGE,
+            SM90_TALL,
+            MMA,
+        ]
+        .into_iter()
+        .find(|c| c.bm == block_m && (c.kind != GemmKind::Mma) == (cc == (9, 0)))
+        .map(|c| if c == SM90_LARGE { sm90_large() } else { c })
     }
 }
 
@@ -422,7 +474,14 @@ impl GemmConfig {
         match self.kind {
             GemmKind::Mma => 128,
             GemmKind::Sm90 => (self.bm / 64 * 128) as u32,
-            GemmKind::Sm90Pipe { .. } => 384,
+            // A loader warpgroup and two MMA warpgroups (three for 192-row tiles).
+            GemmKind::Sm90Pipe { .. } => {
+                if self.bm == 192 {
+                    512
+                } else {
+                    384
+                }
+            }
             // Two MMA warpgroups and one loader warp (a loader warpgroup from BN = 64 on).
             GemmKind::SwapAb => super::cuda_fp8::swapab_threads(self.bm),
         }
@@ -470,6 +529,9 @@ impl GemmConfig {
                 d.push(("BM", self.bm.to_string()));
                 d.push(("PERSIST", u32::from(persistent).to_string()));
                 d.push(("DYNAMIC", u32::from(dynamic).to_string()));
+                if self.wg_n != 256 {
+                    d.push(("WG_N", self.wg_n.to_string()));
+                }
             }
             GemmKind::SwapAb => {
                 d.push(("ELEM_BF16", "1".to_string()));
@@ -548,7 +610,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
     let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
-    for cfg in [MMA, SM90_SMALL, SM90_MID]
+    for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL]
         .into_iter()
         .chain(swapabs)
         .chain(experiments)
@@ -569,16 +631,18 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             });
         }
     }
-    // GEMM2 with per-route rows (the pipe kernel of SM90_LARGE) and their top-k sum.
-    let (family, source) = SM90_LARGE.source();
-    let mut defines = SM90_LARGE.defines(2);
-    defines.push(route_rows_define());
-    v.push(KernelVariant {
-        family,
-        source,
-        entry: GEMM_ENTRY,
-        defines,
-    });
+    // GEMM2 with per-route rows (the pipe kernels of SM90_LARGE and SM90_TALL) and their top-k sum.
+    for cfg in [SM90_LARGE, SM90_TALL] {
+        let (family, source) = cfg.source();
+        let mut defines = cfg.defines(2);
+        defines.push(route_rows_define());
+        v.push(KernelVariant {
+            family,
+            source,
+            entry: GEMM_ENTRY,
+            defines,
+        });
+    }
     for out_f32 in ["0", "1"] {
         v.push(KernelVariant {
             family: FINALIZE_FAMILY,
@@ -982,7 +1046,12 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         let box_rows = if cfg.kind == GemmKind::SwapAb {
             128
         } else if g.mode == 1 {
-            cfg.wg_n * cfg.bm / 256
+            // Two boxes per MMA warpgroup's weight rows (BM = 64: each warpgroup has half).
+            if cfg.bm == 64 {
+                cfg.wg_n / 4
+            } else {
+                cfg.wg_n / 2
+            }
         } else {
             cfg.wg_n
         };
@@ -1504,7 +1573,13 @@ mod select_tests {
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
-        assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::select(h, 127 * 8, 8), SM90_LARGE);
+        // 128 to 175 routes per expert: the 192-row tiles.
+        assert_eq!(GemmConfig::select(h, 128 * 8, 8), SM90_TALL); // Mixtral, M = 512
+        assert_eq!(GemmConfig::select(h, 4096 * 8, 256), SM90_TALL); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::select(h, 176 * 8 - 1, 8), SM90_TALL);
+        assert_eq!(GemmConfig::select(h, 176 * 8, 8), SM90_LARGE);
+        assert_eq!(GemmConfig::select(h, 8192 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 8192
         assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
         assert_eq!(GemmConfig::select(h, 2048 * 8, 256), SM90_LARGE);
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);

@@ -43,7 +43,7 @@ mod tma;
 pub use cuda::{
     BM as CUDA_BLOCK_M, DEV_ROUTE_ROWS_ENV, DEV_SWAPAB_WIDE_ROUTES_ENV, Gemm2Sum, GemmConfig,
     GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE, LARGE_TILE_ROUTES_PER_EXPERT,
-    MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID, SM90_SMALL, SM90_SWAPAB,
+    MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID, SM90_SMALL, SM90_SWAPAB, SM90_TALL,
     route_rows_pay,
 };
 pub use cuda_fp8::{
@@ -68,12 +68,19 @@ pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
 pub(crate) const GLUE_FAMILY: &str = cuda::GLUE_FAMILY;
 
 pub(crate) fn cuda_block_ms() -> Vec<usize> {
-    let mut bms: Vec<usize> = [MMA, SM90_SWAPAB, SM90_SMALL, SM90_MID, SM90_LARGE]
-        .iter()
-        .map(|c| c.bm)
-        .chain(SWAPAB_ROUTE_BLOCKS)
-        .chain(cuda_fp8::ALL.iter().map(|c| c.bm))
-        .collect();
+    let mut bms: Vec<usize> = [
+        MMA,
+        SM90_SWAPAB,
+        SM90_SMALL,
+        SM90_MID,
+        SM90_LARGE,
+        SM90_TALL,
+    ]
+    .iter()
+    .map(|c| c.bm)
+    .chain(SWAPAB_ROUTE_BLOCKS)
+    .chain(cuda_fp8::ALL.iter().map(|c| c.bm))
+    .collect();
     bms.sort_unstable();
     bms.dedup();
     bms
