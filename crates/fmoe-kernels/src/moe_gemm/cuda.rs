@@ -16,11 +16,12 @@
 //!   the fused epilogues save, measured with the same tiles. No host synchronization on either.
 //!
 //! Launch geometry lives in one place: the variants [`MMA`], [`SM90_SWAPAB`], [`SM90_SMALL`],
-//! [`SM90_LARGE`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
+//! [`SM90_LARGE`], [`SM90_TALL`] (kernel, tiles, stages, split-K; change them together with the `.cu` sources) and
 //! the rule that picks one per batch, [`GemmConfig::select`]: on Hopper the swap-AB decode kernel
 //! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs; with
 //! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
-//! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there. Contract (checked, with the dimension named): the reduction
+//! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there, 192 × 192
+//! ones within [`TALL_TILE_ROUTES_PER_EXPERT`]. Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
