@@ -50,14 +50,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a,      // [rows_a, kd]
                    float* __restrict__ y32,                  // MODE 2: [num_routes / top_k, n_out]
                    unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    h_out = fmoe_pdl_fresh(h_out);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_BF16();  // first: see common/pdl.cuh
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     typedef __nv_bfloat16 ATile[BM][SK];

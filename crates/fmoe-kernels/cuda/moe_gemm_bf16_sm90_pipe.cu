@@ -97,14 +97,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
                    unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    h_out = fmoe_pdl_fresh(h_out);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_BF16();  // first: see common/pdl.cuh
     tile_counter = fmoe_pdl_fresh(tile_counter);
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -68,17 +68,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    q_out = fmoe_pdl_fresh(q_out);
-    s_out = fmoe_pdl_fresh(s_out);
-    y32 = fmoe_pdl_fresh(y32);
-    error_flag = fmoe_pdl_fresh(error_flag);
+    FMOE_PDL_ENTER_GEMM_FP8_BLOCK();  // first: see common/pdl.cuh
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];

@@ -82,16 +82,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   __nv_bfloat16* __restrict__ h_out, unsigned int* __restrict__ h_amax, float* __restrict__ y32,
                   unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    h_out = fmoe_pdl_fresh(h_out);
-    h_amax = fmoe_pdl_fresh(h_amax);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_FP8();  // first: see common/pdl.cuh
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned int route[BM];

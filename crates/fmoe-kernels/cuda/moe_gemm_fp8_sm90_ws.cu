@@ -151,17 +151,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map,
                         unsigned int n_tiles, unsigned int m_blocks, unsigned int splits, unsigned int* tile_counter) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    q_out = fmoe_pdl_fresh(q_out);
-    s_out = fmoe_pdl_fresh(s_out);
-    y32 = fmoe_pdl_fresh(y32);
-    error_flag = fmoe_pdl_fresh(error_flag);
+    FMOE_PDL_ENTER_GEMM_FP8_BLOCK();  // first: see common/pdl.cuh
     tile_counter = fmoe_pdl_fresh(tile_counter);
 #endif
 #else
@@ -175,16 +165,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   const __grid_constant__ TmaDesc b_map, unsigned int n_tiles, unsigned int m_blocks,
                   unsigned int splits, unsigned int* tile_counter) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    h_out = fmoe_pdl_fresh(h_out);
-    h_amax = fmoe_pdl_fresh(h_amax);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_FP8();  // first: see common/pdl.cuh
     tile_counter = fmoe_pdl_fresh(tile_counter);
 #endif
 #endif

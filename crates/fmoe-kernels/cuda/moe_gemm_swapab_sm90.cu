@@ -144,14 +144,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    h_out = fmoe_pdl_fresh(h_out);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_BF16();  // first: see common/pdl.cuh
 #endif
 #elif BLOCK_SCALED
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -163,17 +156,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
                         unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    q_out = fmoe_pdl_fresh(q_out);
-    s_out = fmoe_pdl_fresh(s_out);
-    y32 = fmoe_pdl_fresh(y32);
-    error_flag = fmoe_pdl_fresh(error_flag);
+    FMOE_PDL_ENTER_GEMM_FP8_BLOCK();  // first: see common/pdl.cuh
 #endif
 #else
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -185,16 +168,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out,
                   const __grid_constant__ TmaDesc b_map) {
 #if PDL
-    fmoe_pdl_enter();  // first: see common/pdl.cuh
-    a = fmoe_pdl_fresh(a);
-    sorted_routes = fmoe_pdl_fresh(sorted_routes);
-    block_experts = fmoe_pdl_fresh(block_experts);
-    total = fmoe_pdl_fresh(total);
-    topk_weights = fmoe_pdl_fresh(topk_weights);
-    a_scale = fmoe_pdl_fresh(a_scale);
-    h_out = fmoe_pdl_fresh(h_out);
-    h_amax = fmoe_pdl_fresh(h_amax);
-    y32 = fmoe_pdl_fresh(y32);
+    FMOE_PDL_ENTER_GEMM_FP8();  // first: see common/pdl.cuh
 #endif
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -40,4 +40,40 @@ __device__ __forceinline__ T* fmoe_pdl_fresh(T* p) {
     return reinterpret_cast<T*>(u);
 }
 
+// The grouped GEMMs' entry under PDL, one per contract (the kernels of a contract share its
+// parameter names): the wait, then every pointer of the contract that the chain writes. A kernel
+// with more (the persistent ones' tile counter) launders those after it.
+#define FMOE_PDL_ENTER_GEMM_BF16()                      \
+    fmoe_pdl_enter();                                   \
+    a = fmoe_pdl_fresh(a);                              \
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);      \
+    block_experts = fmoe_pdl_fresh(block_experts);      \
+    total = fmoe_pdl_fresh(total);                      \
+    topk_weights = fmoe_pdl_fresh(topk_weights);        \
+    h_out = fmoe_pdl_fresh(h_out);                      \
+    y32 = fmoe_pdl_fresh(y32)
+#define FMOE_PDL_ENTER_GEMM_FP8()                       \
+    fmoe_pdl_enter();                                   \
+    a = fmoe_pdl_fresh(a);                              \
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);      \
+    block_experts = fmoe_pdl_fresh(block_experts);      \
+    total = fmoe_pdl_fresh(total);                      \
+    topk_weights = fmoe_pdl_fresh(topk_weights);        \
+    a_scale = fmoe_pdl_fresh(a_scale);                  \
+    h_out = fmoe_pdl_fresh(h_out);                      \
+    h_amax = fmoe_pdl_fresh(h_amax);                    \
+    y32 = fmoe_pdl_fresh(y32)
+#define FMOE_PDL_ENTER_GEMM_FP8_BLOCK()                 \
+    fmoe_pdl_enter();                                   \
+    a = fmoe_pdl_fresh(a);                              \
+    a_scale = fmoe_pdl_fresh(a_scale);                  \
+    sorted_routes = fmoe_pdl_fresh(sorted_routes);      \
+    block_experts = fmoe_pdl_fresh(block_experts);      \
+    total = fmoe_pdl_fresh(total);                      \
+    topk_weights = fmoe_pdl_fresh(topk_weights);        \
+    q_out = fmoe_pdl_fresh(q_out);                      \
+    s_out = fmoe_pdl_fresh(s_out);                      \
+    y32 = fmoe_pdl_fresh(y32);                          \
+    error_flag = fmoe_pdl_fresh(error_flag)
+
 #endif  // FMOE_COMMON_PDL_CUH
