@@ -6,8 +6,51 @@
 //
 // Outputs are sized for the worst case (num_routes + E * (BLOCK_M - 1)); `total` tells the GEMMs
 // where the padded runs end, so the host never waits for this kernel.
+//
+// TALL_M > 0 (mixed tile heights, TALL_M = 3/2 BLOCK_M): each expert's run is `short` BLOCK_M
+// blocks then `tall` TALL_M blocks (mixed_blocks; the rule puts every expert in one of the two);
+// only the last block holds padding. The BLOCK_M blocks fill slots [0, capacity) as above
+// (expert_offsets: each expert's first short slot); the TALL_M blocks a second segment of
+// `tall_slots` slots from `capacity` (tall_offsets: each expert's first tall slot, its blocks from
+// capacity / BLOCK_M in block_experts, its padded length in `tall_total`), which the GEMM with
+// TALL_M-row tiles runs as its own launch.
 
 #include "common/pdl.cuh"
+
+#ifndef TALL_M
+#define TALL_M 0
+#endif
+
+#if TALL_M
+static_assert(2 * TALL_M == 3 * BLOCK_M, "mixed tiles of 2 and 3 half-blocks");
+// An expert's blocks under mixed tiles: all short or all tall, whichever pads it to fewer slots;
+// on a tie tall up to two tall blocks (one pass fewer over the expert's weights where that pass is
+// a large part of its time), short past that (compute-bound experts, where the short tiles run
+// faster). An expert is never split between the two: each launch would stream its weights. The
+// host's twin: moe_align::mixed_blocks.
+struct MixedBlocks {
+    unsigned int short_blocks, tall_blocks;
+};
+__device__ __forceinline__ MixedBlocks mixed_blocks(unsigned int count) {
+    const unsigned int s = (count + BLOCK_M - 1) / BLOCK_M, t = (count + TALL_M - 1) / TALL_M;
+    const bool tall = count > 0 && (t * TALL_M < s * BLOCK_M || (t * TALL_M == s * BLOCK_M && t <= 2));
+    return tall ? MixedBlocks{0u, t} : MixedBlocks{s, 0u};
+}
+// A padded run as a scan value: short-segment slots in the low word, tall-segment slots in the
+// high word, so one block-wide scan gives both segments' offsets.
+typedef unsigned long long PadSlots;
+#else
+typedef unsigned int PadSlots;
+#endif
+
+__device__ __forceinline__ PadSlots padded_run(unsigned int count) {
+#if TALL_M
+    const MixedBlocks b = mixed_blocks(count);
+    return ((PadSlots)(b.tall_blocks * TALL_M) << 32) | (PadSlots)(b.short_blocks * BLOCK_M);
+#else
+    return (count + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+#endif
+}
 
 extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int num_routes,
@@ -18,7 +61,12 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int* __restrict__ expert_counts,
                                           unsigned int* __restrict__ total,
                                           unsigned int* __restrict__ error_flag,
-                                          unsigned int capacity) {
+                                          unsigned int capacity
+#if TALL_M
+                                          , unsigned int* __restrict__ tall_offsets,
+                                          unsigned int* __restrict__ tall_total, unsigned int tall_slots
+#endif
+                                          ) {
 #if PDL
     fmoe_pdl_enter();  // first: see common/pdl.cuh
     ids = fmoe_pdl_fresh(ids);
@@ -28,11 +76,18 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
     expert_counts = fmoe_pdl_fresh(expert_counts);
     total = fmoe_pdl_fresh(total);
     error_flag = fmoe_pdl_fresh(error_flag);
+#if TALL_M
+    tall_offsets = fmoe_pdl_fresh(tall_offsets);
+    tall_total = fmoe_pdl_fresh(tall_total);
+#endif
 #endif
     extern __shared__ unsigned int smem[];
     unsigned int* counts = smem;                    // [E]
     unsigned int* cursor = smem + num_experts;      // [E]
     unsigned int* offsets = smem + 2 * num_experts; // [E + 1]
+#if TALL_M
+    unsigned int* toffsets = smem + 3 * num_experts + 1;  // [E + 1]: tall-segment offsets
+#endif
     const unsigned int tid = threadIdx.x;
 
     for (unsigned int e = tid; e < num_experts; e += blockDim.x) counts[e] = 0;
@@ -49,41 +104,76 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
     {
         // Exclusive prefix of the padded counts: thread t owns experts [t * per, (t + 1) * per);
         // a warp scan of the owners' sums, then a scan of the warp totals.
-        __shared__ unsigned int warp_sums[32];
+        __shared__ PadSlots warp_sums[32];
         const unsigned int lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
         const unsigned int per = (num_experts + blockDim.x - 1) / blockDim.x;
         const unsigned int e0 = min(tid * per, num_experts), e1 = min(e0 + per, num_experts);
-        unsigned int mine = 0;
-        for (unsigned int e = e0; e < e1; ++e) mine += (counts[e] + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
-        unsigned int incl = mine;
+        PadSlots mine = 0;
+        for (unsigned int e = e0; e < e1; ++e) mine += padded_run(counts[e]);
+        PadSlots incl = mine;
 #pragma unroll
         for (unsigned int d = 1; d < 32; d <<= 1) {
-            const unsigned int v = __shfl_up_sync(0xffffffffu, incl, d);
+            const PadSlots v = __shfl_up_sync(0xffffffffu, incl, d);
             if (lane >= d) incl += v;
         }
         if (lane == 31) warp_sums[warp] = incl;
         __syncthreads();
         if (warp == 0) {
-            unsigned int w = lane < warps ? warp_sums[lane] : 0;
+            PadSlots w = lane < warps ? warp_sums[lane] : 0;
 #pragma unroll
             for (unsigned int d = 1; d < 32; d <<= 1) {
-                const unsigned int v = __shfl_up_sync(0xffffffffu, w, d);
+                const PadSlots v = __shfl_up_sync(0xffffffffu, w, d);
                 if (lane >= d) w += v;
             }
             if (lane < warps) warp_sums[lane] = w;  // inclusive totals of warps 0..lane
         }
         __syncthreads();
-        unsigned int acc = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);
+        PadSlots acc = incl - mine + (warp > 0 ? warp_sums[warp - 1] : 0);
         for (unsigned int e = e0; e < e1; ++e) {
+            const PadSlots run = padded_run(counts[e]);
+#if TALL_M
+            offsets[e] = (unsigned int)acc;
+            toffsets[e] = (unsigned int)(acc >> 32);
+#else
             offsets[e] = acc;
-            acc += (counts[e] + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+#endif
+            acc += run;
         }
         if (tid == blockDim.x - 1) {
+#if TALL_M
+            offsets[num_experts] = (unsigned int)acc;
+            toffsets[num_experts] = (unsigned int)(acc >> 32);
+            *total = (unsigned int)acc;
+            *tall_total = (unsigned int)(acc >> 32);
+#else
             offsets[num_experts] = acc;
             *total = acc;
+#endif
         }
     }
     __syncthreads();
+#if TALL_M
+    for (unsigned int e = tid; e < num_experts; e += blockDim.x) {
+        cursor[e] = 0;  // routes of e placed so far (the scatter splits them between segments)
+        expert_offsets[e] = offsets[e];
+        tall_offsets[e] = capacity + toffsets[e];
+        expert_counts[e] = counts[e];
+    }
+    if (tid == 0) {
+        expert_offsets[num_experts] = offsets[num_experts];
+        tall_offsets[num_experts] = capacity + toffsets[num_experts];
+    }
+    const unsigned int short_blocks = capacity / BLOCK_M;
+    for (unsigned int i = tid; i < capacity + tall_slots; i += blockDim.x) sorted_routes[i] = num_routes;
+    for (unsigned int b = tid; b < short_blocks + tall_slots / TALL_M; b += blockDim.x) block_experts[b] = num_experts;
+    __syncthreads();  // the block ids below overwrite these fills
+    for (unsigned int e = tid; e < num_experts; e += blockDim.x) {
+        const MixedBlocks mb = mixed_blocks(counts[e]);
+        for (unsigned int b = 0; b < mb.short_blocks; ++b) block_experts[offsets[e] / BLOCK_M + b] = e;
+        for (unsigned int b = 0; b < mb.tall_blocks; ++b)
+            block_experts[short_blocks + toffsets[e] / TALL_M + b] = e;
+    }
+#else
     const unsigned int padded = offsets[num_experts];
     for (unsigned int e = tid; e < num_experts; e += blockDim.x) {
         cursor[e] = offsets[e];
@@ -101,9 +191,22 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
         }
         block_experts[b] = at < padded ? lo : num_experts;
     }
+#endif
     __syncthreads();
+#if TALL_M
+    // The first short_blocks * BLOCK_M routes of an expert fill its short blocks, the rest its
+    // tall ones (which hold the padding).
+    for (unsigned int r = tid; r < num_routes; r += blockDim.x) {
+        const unsigned int id = ids[r];
+        if (id >= num_experts) continue;
+        const unsigned int i = atomicAdd(&cursor[id], 1u);
+        const unsigned int s_len = mixed_blocks(counts[id]).short_blocks * BLOCK_M;
+        sorted_routes[i < s_len ? offsets[id] + i : capacity + toffsets[id] + (i - s_len)] = r;
+    }
+#else
     for (unsigned int r = tid; r < num_routes; r += blockDim.x) {
         unsigned int id = ids[r];
         if (id < num_experts) sorted_routes[atomicAdd(&cursor[id], 1u)] = r;
     }
+#endif
 }

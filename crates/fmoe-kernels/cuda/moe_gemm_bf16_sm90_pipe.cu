@@ -10,7 +10,7 @@
 // flight, and the gather's L2 latency showed through). Thread 0 adds the weight tile by TMA. The
 // MMA warpgroups fence the async proxy after `full[s]` (cp.async writes through the generic proxy).
 //
-// PERSIST=1: gridDim.x blocks walk the tiles in the same grouped order (RASTER_GM M blocks per
+// PERSIST=1: gridDim.x blocks walk the tiles (of the M blocks up to *total only) in the same grouped order (RASTER_GM M blocks per
 // group, M fastest: pipe_tile of moe_tile.cuh); the ring and its phases continue across tiles, so
 // the loader fills the next tile's stages while the MMA warps run the epilogue of this one, and no
 // block launch or pipeline fill sits between tiles. Block b takes tile b first, then t = b + i * gridDim.x (DYNAMIC=0), or
@@ -116,6 +116,11 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     const unsigned int empty0 = static_cast<unsigned int>(__cvta_generic_to_shared(empty_bar));
     const unsigned int all_ktiles = (kd + BK - 1) / BK, per_split = (all_ktiles + splits - 1) / splits;
     const unsigned int m_total = *total;
+#if PERSIST
+    // The host sizes m_blocks for the worst case; walk only the blocks the routes fill (a tall
+    // segment of mixed tiles is sized as if every route were in it).
+    m_blocks = min(m_blocks, (m_total + BM - 1) / BM);
+#endif
     const unsigned int tiles = n_tiles * m_blocks * splits;
 #if DYNAMIC
 #elif PERSIST

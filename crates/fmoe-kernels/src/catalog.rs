@@ -90,7 +90,7 @@ impl KernelVariant {
 
 /// All of them, family by family, then the MoE chain's PDL builds.
 pub fn all() -> Vec<KernelVariant> {
-    let align = moe_align::cuda_variants(&moe_gemm::cuda_block_ms());
+    let align = moe_align::cuda_variants(&moe_gemm::cuda_block_ms(), &moe_gemm::cuda_mixed_tiles());
     let quant = quant_fp8::cuda::variants();
     let gemm = moe_gemm::cuda_variants();
     // `-D PDL=1` of every variant a chain under `crate::PdlChain` may load through

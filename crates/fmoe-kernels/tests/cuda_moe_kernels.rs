@@ -11,7 +11,9 @@ use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::elementwise;
-use fmoe_kernels::moe_align::{AlignedRoutes, align_routes, capacity};
+use fmoe_kernels::moe_align::{
+    AlignedRoutes, RouteTiling, align_routes, align_routes_tiled, capacity, mixed_blocks,
+};
 use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, CUDA_BLOCK_M, Fp8Scheme, WeightOperand};
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
@@ -75,6 +77,137 @@ fn assert_same_alignment(gpu: &AlignedRoutes, cpu: &AlignedRoutes, what: &str) {
         gs[total..].iter().all(|&r| r == cpu.pad()),
         "{what}: slots past the total"
     );
+}
+
+/// Mixed tiles: the GPU's two segments describe the CPU twin's grouping. The GPU's tall segment
+/// starts at the short tile's capacity (the CPU's right after the short blocks), so tall offsets
+/// and blocks are compared relative to each side's segment start; which of an expert's routes fill
+/// its short blocks is unspecified on the GPU, so its routes are compared as one set.
+fn assert_same_mixed_alignment(gpu: &AlignedRoutes, cpu: &AlignedRoutes, what: &str) {
+    let (ct, gt) = (cpu.tall.as_ref().unwrap(), gpu.tall.as_ref().unwrap());
+    let (short, tall) = (cpu.block_m, ct.block_m);
+    let (r, e) = (cpu.num_routes, cpu.num_experts);
+    let short_total = ct.slot_base;
+    let tall_total = cpu.slots() - ct.slot_base;
+    assert_eq!(
+        gpu.total_host().unwrap(),
+        short_total,
+        "{what}: short total"
+    );
+    assert_eq!(
+        u32s(&gt.total),
+        vec![tall_total as u32],
+        "{what}: tall total"
+    );
+    assert_eq!(gt.slot_base, capacity(r, e, short), "{what}: tall base");
+    assert_eq!(
+        gt.block_base,
+        gt.slot_base / short,
+        "{what}: tall block base"
+    );
+    assert_eq!(gpu.slots(), gt.slot_base + capacity(r, e, tall), "{what}");
+    let counts = u32s(&cpu.expert_counts);
+    assert_eq!(u32s(&gpu.expert_counts), counts, "{what}: counts");
+    let (co, go) = (u32s(&cpu.expert_offsets), u32s(&gpu.expert_offsets));
+    assert_eq!(go, co, "{what}: short offsets");
+    let (cto, gto) = (u32s(&ct.expert_offsets), u32s(&gt.expert_offsets));
+    let rebased =
+        |v: &[u32], base: usize| -> Vec<usize> { v.iter().map(|&o| o as usize - base).collect() };
+    assert_eq!(
+        rebased(&gto, gt.slot_base),
+        rebased(&cto, ct.slot_base),
+        "{what}: tall offsets"
+    );
+    let (cs, gs) = (u32s(&cpu.sorted_routes), u32s(&gpu.sorted_routes));
+    for x in 0..e {
+        let c = counts[x] as usize;
+        let (a, b) = mixed_blocks(c, short);
+        let runs = |s: &[u32], so: &[u32], to: &[u32]| -> Vec<u32> {
+            let (s0, t0) = (so[x] as usize, to[x] as usize);
+            let mut v = s[s0..s0 + a * short].to_vec();
+            v.extend_from_slice(&s[t0..t0 + b * tall]);
+            v
+        };
+        let (g, cv) = (runs(&gs, &go, &gto), runs(&cs, &co, &cto));
+        let set = |v: &[u32]| v.iter().copied().collect::<BTreeSet<u32>>();
+        assert_eq!(set(&g), set(&cv), "{what}: expert {x}");
+        let pads = g.iter().filter(|&&v| v == cpu.pad()).count();
+        assert_eq!(pads, g.len() - c, "{what}: expert {x} padding");
+        if b > 0 {
+            let short_pads = g[..a * short].iter().filter(|&&v| v == cpu.pad()).count();
+            assert_eq!(short_pads, 0, "{what}: expert {x}'s short blocks are full");
+        }
+    }
+    let pad_from = |from: usize, to: usize| gs[from..to].iter().all(|&v| v == cpu.pad());
+    assert!(
+        pad_from(short_total, gt.slot_base),
+        "{what}: short slots past the total"
+    );
+    assert!(
+        pad_from(gt.slot_base + tall_total, gs.len()),
+        "{what}: tall slots past the total"
+    );
+    let (cb, gb) = (u32s(&cpu.block_experts), u32s(&gpu.block_experts));
+    let none = |b: &[u32]| b.iter().all(|&v| v as usize == e);
+    assert_eq!(
+        gb[..short_total / short],
+        cb[..ct.block_base],
+        "{what}: short blocks"
+    );
+    assert!(
+        none(&gb[short_total / short..gt.block_base]),
+        "{what}: short blocks past the total"
+    );
+    let tall_blocks = tall_total / tall;
+    assert_eq!(
+        gb[gt.block_base..gt.block_base + tall_blocks],
+        cb[ct.block_base..],
+        "{what}: tall blocks"
+    );
+    assert!(
+        none(&gb[gt.block_base + tall_blocks..]),
+        "{what}: tall blocks past the total"
+    );
+}
+
+#[test]
+fn moe_align_mixed_tiles_match_the_cpu_twin() {
+    let Some(_b) = test_backend_or_skip() else {
+        return;
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0xa12);
+    let cases: [(usize, usize, usize); 9] = [
+        (0, 8, 2),
+        (1, 8, 2),
+        (5, 4, 4),
+        (300, 256, 8),
+        (512, 8, 2),
+        (4096, 256, 8),
+        (5000, 256, 8),
+        (16384, 8, 2),
+        (3000, 1500, 6),
+    ];
+    for (m, e, k) in cases {
+        let ids: Vec<u32> = (0..m * k)
+            .map(|_| {
+                if rng.random::<f32>() < 0.7 {
+                    rng.random_range(0..e.div_ceil(2)) as u32
+                } else {
+                    rng.random_range(0..e) as u32
+                }
+            })
+            .collect();
+        let cpu_ids = Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap();
+        for (short, tall) in [(128, 192), (16, 24)] {
+            let what = format!("M={m} E={e} k={k} tiles {short}/{tall}");
+            let tiling = RouteTiling::Mixed { short, tall };
+            let cpu = align_routes_tiled(&cpu_ids, e, tiling).unwrap();
+            let gpu = align_routes_tiled(&cpu_ids.to_device(CUDA).unwrap(), e, tiling).unwrap();
+            gpu.check().unwrap();
+            assert_eq!(gpu.tiling(), tiling);
+            assert_same_mixed_alignment(&gpu, &cpu, &what);
+        }
+    }
 }
 
 #[test]

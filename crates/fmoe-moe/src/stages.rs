@@ -9,7 +9,7 @@
 
 use fmoe_core::{Device, Tensor};
 use fmoe_kernels::elementwise;
-use fmoe_kernels::moe_align::align_routes;
+use fmoe_kernels::moe_align::align_routes_tiled;
 use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, ActScale, Gemm2Sum, WeightOperand};
 use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
@@ -17,7 +17,7 @@ use fmoe_kernels::routing::TopK;
 use crate::{KernelFamily, Result};
 
 /// Rows of a GEMM tile on the CPU's fused path; each expert's routes are padded to it. On CUDA the
-/// kernel variant's own M tile is used ([`moe_gemm::block_m_for`]).
+/// kernel variant's own M tiles are used ([`moe_gemm::tiling_for`]).
 pub const BLOCK_M: usize = 16;
 
 /// Expert weights ready for a kernel, with the activation quantization their method implies.
@@ -73,14 +73,14 @@ pub fn run_experts_deferred(
     let (a1, mut check) = ActOperand::quantize_scaled_deferred(x, ops.act_quant, &ops.a13_scale)?;
     let y = match family {
         KernelFamily::Fused => {
-            let block_m = moe_gemm::block_m_for(
+            let tiling = moe_gemm::tiling_for(
                 device,
                 BLOCK_M,
                 topk.ids.elem_count(),
                 num_experts,
                 &ops.w13,
             )?;
-            let routes = align_routes(&topk.ids, num_experts, block_m)?;
+            let routes = align_routes_tiled(&topk.ids, num_experts, tiling)?;
             let top_k = topk.ids.dims().get(1).copied().unwrap_or(1);
             // Experts: GEMM1 with SiLU⊙mul and the quantization of h (a2) for GEMM2.
             let (a2, c2) = moe_gemm::gemm1_silu_mul_quant_scaled(

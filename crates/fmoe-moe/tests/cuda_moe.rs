@@ -148,33 +148,52 @@ fn large_shapes_match_the_f64_reference() {
 
 /// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
 /// warpgroup halves: 2, 64 (the second half all padding), 65 (one live row in it), 127, 128 (one
-/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193, and two experts of 600 and
-/// 700 that lift the average to 220 per expert, past the 192-row tiles' range, so the 128-row
-/// kernel runs; N = 2040 gives GEMM2 a split reduction with a ragged last K tile.
+/// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193: 112 per expert on average
+/// over 8 experts, so uniform 128-row tiles; N = 2040 gives GEMM2 a split reduction with a ragged
+/// last K tile.
 #[test]
 fn large_tile_edges_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193, 600, 700];
-    tile_edges_case(&counts, 9100, "BM=128");
+    let counts = [2usize, 64, 65, 127, 128, 129, 192, 193];
+    tile_edges_case(&counts, 9100, &["BM=128"]);
 }
 
 /// The 192-row tiles' edges: 2, 64 and 65 (the first warpgroup's 64 rows full, one row for the
 /// second), 128 and 130 (the third warpgroup empty, one row), 191, 192 (one full tile), 193 (a
-/// second tile with one route), 300 (a second tile with 108); 140 per expert on average, in the
-/// 192-row tiles' range.
+/// second tile with one route), 300 (a second tile with 108); 129 per expert on average over 9
+/// experts, in the uniform 192-row tiles' range.
 #[test]
 fn tall_tile_edges_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {
         return;
     }
-    tile_edges_case(&[2, 64, 65, 128, 130, 191, 192, 193, 300], 9200, "BM=192");
+    tile_edges_case(
+        &[2, 64, 65, 128, 130, 191, 192, 193, 300],
+        9200,
+        &["BM=192"],
+    );
+}
+
+/// Mixed tile heights (222 routes per expert on average, 13 experts): 2, 64, 65 and 128 routes in
+/// one 128-row block, 193, 385 and 599 in several, 130, 191 and 192 in one 192-row block, 257, 300
+/// and 384 in two; both persistent kernels run, one launch per segment, into the same h and y.
+#[test]
+fn mixed_tile_edges_match_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    tile_edges_case(
+        &[2, 64, 65, 128, 130, 191, 192, 193, 257, 300, 384, 385, 600],
+        9300,
+        &["BM=128", "BM=192"],
+    );
 }
 
 /// One layer whose experts get exactly `counts` routes (top-2), checked against the f64 reference;
-/// asserts the persistent pipe kernel with `tile` ran.
-fn tile_edges_case(counts: &[usize], seed: u64, tile: &str) {
+/// asserts the persistent pipe kernel ran with exactly `tiles` (both GEMMs).
+fn tile_edges_case(counts: &[usize], seed: u64, tiles: &[&str]) {
     let routes: usize = counts.iter().sum();
     let c = case(routes / 2, counts.len(), 256, 2040, 2);
     let inp = inputs(&c, seed);
@@ -194,13 +213,29 @@ fn tile_edges_case(counts: &[usize], seed: u64, tile: &str) {
         weights: Tensor::from_vec(weights, [c.m, 2], &CUDA).unwrap(),
     };
     let ((), launches) =
-        trace_launches(|| check_case(&format!("{tile} tile edges"), &c, &inp, &topk));
-    assert!(
-        launches
+        trace_launches(|| check_case(&format!("{} tile edges", tiles.join("+")), &c, &inp, &topk));
+    for bm in ["BM=64,", "BM=128,", "BM=192,"] {
+        let ran = launches
             .iter()
-            .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains(&format!("{tile},"))),
-        "the {tile} prefill GEMM did not run: {launches:?}"
-    );
+            .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/") && l.contains(bm));
+        let want = tiles.iter().any(|t| bm.starts_with(&format!("{t},")));
+        assert_eq!(
+            ran, want,
+            "{bm} prefill GEMM ran: {ran}, wanted {tiles:?}: {launches:?}"
+        );
+    }
+    for tile in tiles {
+        for mode in ["MODE=1", "MODE=2"] {
+            assert!(
+                launches
+                    .iter()
+                    .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/")
+                        && l.contains(&format!("{tile},"))
+                        && l.contains(mode)),
+                "the {tile} {mode} prefill GEMM did not run: {launches:?}"
+            );
+        }
+    }
 }
 
 /// Both GEMMs of the fused forward ran the swap-AB kernel (on Hopper; elsewhere the 64-route

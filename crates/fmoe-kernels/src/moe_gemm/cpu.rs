@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use super::operand::{ActOperand, QBLOCK, WeightOperand};
 use super::simd;
 use crate::Result;
-use crate::moe_align::AlignedRoutes;
+use crate::moe_align::{AlignedRoutes, mixed_blocks};
 
 const OP1: &str = "moe_gemm::gemm1_silu_mul";
 const OP2: &str = "moe_gemm::gemm2_weighted_sum";
@@ -245,25 +245,46 @@ fn tile(
     }
 }
 
+/// Each expert's routes, read from an alignment (mixed tiles: its short blocks, then its tall ones).
 struct ExpertRuns<'a> {
-    sorted: &'a [u32],
-    offsets: &'a [u32],
+    runs: Vec<Vec<u32>>,
     counts: &'a [u32],
 }
 
 impl<'a> ExpertRuns<'a> {
     fn new(routes: &'a AlignedRoutes, op: &'static str) -> Result<Self> {
-        Ok(ExpertRuns {
-            sorted: routes.sorted_routes.cpu_slice::<u32>(op, "sorted_routes")?,
-            offsets: routes
-                .expert_offsets
-                .cpu_slice::<u32>(op, "expert_offsets")?,
-            counts: routes.expert_counts.cpu_slice::<u32>(op, "expert_counts")?,
-        })
+        let sorted = routes.sorted_routes.cpu_slice::<u32>(op, "sorted_routes")?;
+        let offsets = routes
+            .expert_offsets
+            .cpu_slice::<u32>(op, "expert_offsets")?;
+        let counts = routes.expert_counts.cpu_slice::<u32>(op, "expert_counts")?;
+        let tall = match &routes.tall {
+            Some(t) => Some(
+                t.expert_offsets
+                    .cpu_slice::<u32>(op, "tall expert_offsets")?,
+            ),
+            None => None,
+        };
+        let runs = (0..routes.num_experts)
+            .map(|e| {
+                let c = counts[e] as usize;
+                let in_short = match tall {
+                    Some(_) => c.min(mixed_blocks(c, routes.block_m).0 * routes.block_m),
+                    None => c,
+                };
+                let start = offsets[e] as usize;
+                let mut run = sorted[start..start + in_short].to_vec();
+                if let Some(t) = tall {
+                    let start = t[e] as usize;
+                    run.extend_from_slice(&sorted[start..start + c - in_short]);
+                }
+                run
+            })
+            .collect();
+        Ok(ExpertRuns { runs, counts })
     }
-    fn routes(&self, e: usize) -> &'a [u32] {
-        let start = self.offsets[e] as usize;
-        &self.sorted[start..start + self.counts[e] as usize]
+    fn routes(&self, e: usize) -> &[u32] {
+        &self.runs[e]
     }
 }
 
@@ -396,6 +417,63 @@ pub(crate) fn sum_route_rows(
 #[cfg(test)]
 mod tests {
     use super::sum_route_rows;
+    use crate::moe_align::{RouteTiling, align_routes_tiled};
+    use crate::moe_gemm::{ActOperand, WeightOperand, gemm1_silu_mul, gemm2_weighted_sum};
+    use fmoe_core::{Device, Tensor};
+
+    /// The CPU GEMMs read mixed-tile alignments (experts in two segments) as the same per-expert
+    /// routes as a uniform one: bit-identical h and y.
+    #[test]
+    fn mixed_tiles_give_the_same_products_as_uniform_ones() {
+        let (m, e, k, n, top_k) = (40, 3, 16, 8, 2);
+        let cpu = Device::Cpu;
+        let val = |i: usize, s: usize| ((i * 7919 + s * 104_729) % 997) as f32 / 997.0 - 0.5;
+        let x = Tensor::from_vec((0..m * k).map(|i| val(i, 1)).collect(), [m, k], &cpu).unwrap();
+        let w13 = Tensor::from_vec(
+            (0..e * 2 * n * k).map(|i| val(i, 2)).collect(),
+            [e, 2 * n, k],
+            &cpu,
+        )
+        .unwrap();
+        let w2 =
+            Tensor::from_vec((0..e * k * n).map(|i| val(i, 3)).collect(), [e, k, n], &cpu).unwrap();
+        // Tiles of 4 and 6 rows: expert 0 takes 57 routes (15 short blocks), expert 1 18 (three
+        // tall blocks), expert 2 5 (one tall block); interleaved over the tokens.
+        let ids: Vec<u32> = (0..m * top_k)
+            .map(|r| (r * 37) % (m * top_k))
+            .map(|p| match p {
+                0..57 => 0,
+                57..75 => 1,
+                _ => 2,
+            })
+            .collect();
+        for (c, want) in [(57, (15, 0)), (18, (0, 3)), (5, (0, 1))] {
+            assert_eq!(crate::moe_align::mixed_blocks(c, 4), want);
+        }
+        let ids = Tensor::from_vec(ids, [m, top_k], &cpu).unwrap();
+        let weights = Tensor::from_vec(
+            (0..m * top_k).map(|i| val(i, 4)).collect(),
+            [m, top_k],
+            &cpu,
+        )
+        .unwrap();
+        let (a, w13, w2) = (
+            ActOperand::Plain(x),
+            WeightOperand::Plain(w13),
+            WeightOperand::Plain(w2),
+        );
+        let run = |tiling| {
+            let routes = align_routes_tiled(&ids, e, tiling).unwrap();
+            let h = gemm1_silu_mul(&a, &routes, top_k, &w13).unwrap();
+            let y =
+                gemm2_weighted_sum(&ActOperand::Plain(h.clone()), &routes, &weights, &w2).unwrap();
+            let v = |t: &Tensor| t.cpu_slice::<f32>("t", "t").unwrap().to_vec();
+            (v(&h), v(&y))
+        };
+        let uniform = run(RouteTiling::Uniform(4));
+        let mixed = run(RouteTiling::Mixed { short: 4, tall: 6 });
+        assert_eq!(uniform, mixed);
+    }
 
     #[test]
     fn sum_route_rows_adds_in_order_and_skips_dropped_routes() {

@@ -27,7 +27,7 @@
 
 use std::sync::Arc;
 
-use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
+use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
@@ -36,7 +36,7 @@ use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
 use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, opt_in_smem, u32_arg};
-use crate::moe_align::{AlignedRoutes, align_routes};
+use crate::moe_align::{AlignedRoutes, RouteTiling, align_routes};
 use crate::nvrtc;
 use crate::{Error, Result};
 
@@ -309,7 +309,8 @@ fn mid_max_routes_per_expert() -> usize {
 /// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 
-/// Average routes per expert where [`SM90_TALL`] replaces [`SM90_LARGE`]: there most experts fit
+/// Average routes per expert where [`SM90_TALL`] replaces [`SM90_LARGE`] when tiles are uniform
+/// (few experts; [`GemmConfig::tiling`] aligns many experts with mixed tiles): there most experts fit
 /// one 192-row block, where 128-row tiles give many of them a second, mostly empty block that
 /// streams the expert's weights again. H200 (BENCHMARKS.md, "192 x 192"): 1.13-1.20x at 128 and
 /// 160 routes per expert on DeepSeek-V3, 1.16x at 160 and a tie at 128 on Mixtral-8x7B; 0.87-0.94x
@@ -324,17 +325,65 @@ pub const DEV_TALL_ROUTES_ENV: &str = "FMOE_DEV_TALL_ROUTES";
 /// [`TALL_TILE_ROUTES_PER_EXPERT`], or the [`DEV_TALL_ROUTES_ENV`] override.
 fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
     static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
-    CELL.get_or_init(|| {
-        let Ok(v) = std::env::var(DEV_TALL_ROUTES_ENV) else {
-            return TALL_TILE_ROUTES_PER_EXPERT;
+    dev_range(&CELL, DEV_TALL_ROUTES_ENV, TALL_TILE_ROUTES_PER_EXPERT)
+}
+
+/// Average routes per expert from which bf16 routes are aligned with mixed tile heights: each
+/// expert's run in [`SM90_LARGE`]'s 128-row or [`SM90_TALL`]'s 192-row blocks, whichever pads it
+/// less ([`crate::moe_align::RouteTiling::Mixed`]), and each GEMM runs both kernels, one launch per
+/// segment. H200, bf16 (BENCHMARKS.md "mixed tile heights"), against one height: DeepSeek-V3 M =
+/// 4096-16384 1.03-1.08x, Mixtral-8x7B M = 2048 1.08x and 768 1.03x; with 8 experts the two
+/// launches' tails cost 1-3 % where little padding goes (Mixtral-8x7B M = 384-640), so
+/// below this only batches over [`MIXED_TILE_MANY_EXPERTS`] experts take mixed tiles from
+/// [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`].
+pub const MIXED_TILE_ROUTES_PER_EXPERT: usize = 176;
+
+/// Experts from which mixed tiles start at [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`].
+pub const MIXED_TILE_MANY_EXPERTS: usize = 64;
+
+/// Average routes per expert from which batches over [`MIXED_TILE_MANY_EXPERTS`] take mixed tiles
+/// (DeepSeek-V3 M = 4096, 128 per expert: 1.05x; M = 3072, 96 per expert: 0.99-1.0x).
+pub const MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT: usize = 128;
+
+/// Dev-only: `FMOE_DEV_MIXED_ROUTES=<lo>-<hi>` aligns with mixed tiles from `lo` to below `hi`
+/// routes per expert on average, whatever the experts, instead of the rule above (`0`: never).
+pub const DEV_MIXED_ROUTES_ENV: &str = "FMOE_DEV_MIXED_ROUTES";
+
+/// Whether `num_routes` routes over `experts` experts take mixed tiles: the rule above, or the
+/// [`DEV_MIXED_ROUTES_ENV`] override.
+fn mixed_tiles_pay(num_routes: usize, experts: usize) -> bool {
+    const RULE: std::ops::Range<usize> = usize::MAX..usize::MAX;
+    static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
+    let per_expert = num_routes / experts.max(1);
+    let knob = dev_range(&CELL, DEV_MIXED_ROUTES_ENV, RULE);
+    if knob != RULE {
+        return knob.contains(&per_expert);
+    }
+    let from = if experts >= MIXED_TILE_MANY_EXPERTS {
+        MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT
+    } else {
+        MIXED_TILE_ROUTES_PER_EXPERT
+    };
+    per_expert >= from
+}
+
+/// A dev-only range knob `<lo>-<hi>` (or `0`: empty), read once per process into `cell`.
+fn dev_range(
+    cell: &'static std::sync::OnceLock<std::ops::Range<usize>>,
+    name: &str,
+    default: std::ops::Range<usize>,
+) -> std::ops::Range<usize> {
+    cell.get_or_init(|| {
+        let Ok(v) = std::env::var(name) else {
+            return default.clone();
         };
         let parsed = match v.split_once('-') {
             Some((lo, hi)) => lo.parse().ok().zip(hi.parse().ok()).map(|(lo, hi)| lo..hi),
             None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
         };
         parsed.unwrap_or_else(|| {
-            eprintln!("fmoe: {DEV_TALL_ROUTES_ENV}={v:?} is not <lo>-<hi> or 0; using the default");
-            TALL_TILE_ROUTES_PER_EXPERT
+            eprintln!("fmoe: {name}={v:?} is not <lo>-<hi> or 0; using the default");
+            default.clone()
         })
     })
     .clone()
@@ -412,6 +461,21 @@ impl GemmConfig {
             SM90_TALL
         } else {
             SM90_LARGE
+        }
+    }
+
+    /// The M tiles to align a batch of `num_routes` routes over `experts` experts to on a device
+    /// of capability `cc`: mixed 128 / 192-row tiles on Hopper from [`MIXED_TILE_ROUTES_PER_EXPERT`]
+    /// (or [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`] over many experts), else
+    /// [`Self::select`]'s M tile.
+    pub fn tiling(cc: (u32, u32), num_routes: usize, experts: usize) -> RouteTiling {
+        if cc == (9, 0) && mixed_tiles_pay(num_routes, experts) {
+            RouteTiling::Mixed {
+                short: SM90_LARGE.bm,
+                tall: SM90_TALL.bm,
+            }
+        } else {
+            RouteTiling::Uniform(Self::select(cc, num_routes, experts).bm)
         }
     }
 
@@ -742,47 +806,77 @@ fn check_reduction(op: &'static str, what: &str, len: usize) -> Result<()> {
 }
 
 /// The device buffers of aligned routes, checked against the kernel's tile.
+/// One segment of aligned routes as a GEMM launch reads it: the whole alignment, or with mixed
+/// tiles the short or the tall runs (views into the alignment's buffers).
 struct RouteBuffers<'a> {
     /// The kernel variant whose M tile these routes are aligned to.
     cfg: GemmConfig,
-    sorted: &'a CudaStorage,
-    blocks: &'a CudaStorage,
-    total: &'a CudaStorage,
+    sorted: CudaView<'a, u8>,
+    blocks: CudaView<'a, u8>,
+    total: CudaView<'a, u8>,
     slots: usize,
 }
 
-fn route_buffers<'a>(
+/// The segments of `routes` (one, or two with mixed tiles), each with its kernel.
+fn route_segments<'a>(
     op: &'static str,
     routes: &'a AlignedRoutes,
     device: Device,
-) -> Result<RouteBuffers<'a>> {
+) -> Result<Vec<RouteBuffers<'a>>> {
     let cc = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?
         .backend()
         .compute_capability();
-    let Some(cfg) =
-        GemmConfig::for_routes(cc, routes.block_m, routes.num_routes, routes.num_experts)
-    else {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "routes are aligned to block_m = {}; the CUDA grouped GEMMs of this device take {} \
-                 (their M tiles)",
-                routes.block_m,
-                if cc == (9, 0) {
-                    "16, 32, 64 or 128"
-                } else {
-                    "64"
-                }
-            ),
-        ));
+    let sorted = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?.buffer();
+    let blocks = cuda_storage(op, "block_experts", &routes.block_experts, device)?.buffer();
+    let total = cuda_storage(op, "total", &routes.total, device)?.buffer();
+    let kernel_for = |block_m: usize| {
+        let cfg = if routes.tall.is_some() {
+            GemmConfig::for_block_m(cc, block_m)
+        } else {
+            GemmConfig::for_routes(cc, block_m, routes.num_routes, routes.num_experts)
+        };
+        cfg.ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!(
+                    "routes are aligned to block_m = {block_m}; the CUDA grouped GEMMs of this \
+                     device take {} (their M tiles)",
+                    if cc == (9, 0) {
+                        "16, 32, 64, 128 or 192"
+                    } else {
+                        "64"
+                    }
+                ),
+            )
+        })
     };
-    Ok(RouteBuffers {
-        cfg,
-        sorted: cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?,
-        blocks: cuda_storage(op, "block_experts", &routes.block_experts, device)?,
-        total: cuda_storage(op, "total", &routes.total, device)?,
-        slots: routes.slots(),
-    })
+    const U32: usize = 4;
+    let Some(tall) = &routes.tall else {
+        return Ok(vec![RouteBuffers {
+            cfg: kernel_for(routes.block_m)?,
+            sorted: sorted.slice(..),
+            blocks: blocks.slice(..),
+            total: total.slice(..),
+            slots: routes.slots(),
+        }]);
+    };
+    let tall_total = cuda_storage(op, "tall total", &tall.total, device)?.buffer();
+    Ok(vec![
+        RouteBuffers {
+            cfg: kernel_for(routes.block_m)?,
+            sorted: sorted.slice(..tall.slot_base * U32),
+            blocks: blocks.slice(..tall.block_base * U32),
+            total: total.slice(..),
+            slots: tall.slot_base,
+        },
+        RouteBuffers {
+            cfg: kernel_for(tall.block_m)?,
+            sorted: sorted.slice(tall.slot_base * U32..),
+            blocks: blocks.slice(tall.block_base * U32..),
+            total: tall_total.slice(..),
+            slots: routes.slots() - tall.slot_base,
+        },
+    ])
 }
 
 /// One launch of `fmoe_moe_gemm_bf16`.
@@ -1025,9 +1119,9 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     let mut b = crate::launch::PdlLaunch::new(backend, &f, pdl);
     b.arg(g.a.buffer())
         .arg(g.w.buffer())
-        .arg(g.routes.sorted.buffer())
-        .arg(g.routes.blocks.buffer())
-        .arg(g.routes.total.buffer());
+        .arg(&g.routes.sorted)
+        .arg(&g.routes.blocks)
+        .arg(&g.routes.total);
     match g.topk_weights {
         Some(w) => b.arg(w.buffer()),
         None => b.arg(&null),
@@ -1122,23 +1216,24 @@ pub(super) fn gemm1_silu_mul(
     let (two_n, k) = (w.dims()[1], w.dims()[2]);
     let n = two_n / 2;
     check_reduction(op, "K (hidden size, GEMM1's reduction length)", k)?;
-    let rb = route_buffers(op, routes, device)?;
     let r = routes.num_routes;
     let mut h = CudaStorage::alloc(xs.backend(), DType::BF16, r * n)?;
-    let g = Gemm {
-        mode: 1,
-        a: xs,
-        w: ws,
-        routes: &rb,
-        topk_weights: None,
-        num_routes: r,
-        top_k,
-        kd: k,
-        n_out: n,
-        experts: routes.num_experts,
-        route_rows: false,
-    };
-    launch_gemm(op, &g, &mut h)?;
+    for rb in &route_segments(op, routes, device)? {
+        let g = Gemm {
+            mode: 1,
+            a: xs,
+            w: ws,
+            routes: rb,
+            topk_weights: None,
+            num_routes: r,
+            top_k,
+            kd: k,
+            n_out: n,
+            experts: routes.num_experts,
+            route_rows: false,
+        };
+        launch_gemm(op, &g, &mut h)?;
+    }
     Ok(Tensor::from_storage(Storage::Cuda(h), [r, n])?)
 }
 
@@ -1166,24 +1261,29 @@ pub(super) fn gemm2_weighted_sum(
     check_reduction(op, "N (intermediate size, GEMM2's reduction length)", n)?;
     let weights = cuda_storage(op, "topk_weights", topk_weights, device)?;
     let (m, top_k) = (topk_weights.dims()[0], topk_weights.dims()[1]);
-    let rb = route_buffers(op, routes, device)?;
+    let segments = route_segments(op, routes, device)?;
     let backend = hs.backend();
-    let mut g = Gemm {
-        mode: 2,
-        a: hs,
-        w: ws,
-        routes: &rb,
-        topk_weights: Some(weights),
-        num_routes: routes.num_routes,
-        top_k,
-        kd: n,
-        n_out: k,
-        experts: routes.num_experts,
-        route_rows: false,
-    };
-    let (_, _, splits) = gemm_plan(&g, backend.multiprocessor_count() as usize);
-    // Route rows: only the persistent 128-row kernel with one K split stores them.
-    let kernel_can = matches!(rb.cfg.kind, GemmKind::Sm90Pipe { .. }) && splits == 1;
+    let gemms: Vec<Gemm<'_>> = segments
+        .iter()
+        .map(|rb| Gemm {
+            mode: 2,
+            a: hs,
+            w: ws,
+            routes: rb,
+            topk_weights: Some(weights),
+            num_routes: routes.num_routes,
+            top_k,
+            kd: n,
+            n_out: k,
+            experts: routes.num_experts,
+            route_rows: false,
+        })
+        .collect();
+    // Route rows: only the persistent pipe kernels with one K split store them (every segment's).
+    let sms = backend.multiprocessor_count() as usize;
+    let kernel_can = gemms.iter().all(|g| {
+        matches!(g.routes.cfg.kind, GemmKind::Sm90Pipe { .. }) && gemm_plan(g, sms).2 == 1
+    });
     gemm2_summed(
         op,
         backend,
@@ -1194,8 +1294,11 @@ pub(super) fn gemm2_weighted_sum(
         sum,
         kernel_can,
         |out, route_rows| {
-            g.route_rows = route_rows;
-            launch_gemm(op, &g, out)
+            for mut g in gemms {
+                g.route_rows = route_rows;
+                launch_gemm(op, &g, out)?;
+            }
+            Ok(())
         },
     )
 }
@@ -1412,7 +1515,8 @@ pub(super) fn portable(
         return Ok(Tensor::from_storage(Storage::Cuda(y), [m, k])?);
     }
     let routes = align_routes(topk_ids, e, BM)?;
-    let rb = route_buffers(op, &routes, device)?;
+    let segments = route_segments(op, &routes, device)?;
+    let rb = &segments[0]; // uniform tiles: one segment
     let stream = backend.stream();
     let (r64, m64) = (r as u64, m as u64);
     let (top_k32, k32, n32) = (
@@ -1444,7 +1548,7 @@ pub(super) fn portable(
         mode: 2,
         a: &xr,
         w: w13s,
-        routes: &rb,
+        routes: rb,
         topk_weights: Some(&ones),
         num_routes: r,
         top_k: 1,
@@ -1469,7 +1573,7 @@ pub(super) fn portable(
         mode: 2,
         a: &h,
         w: w2s,
-        routes: &rb,
+        routes: rb,
         topk_weights: Some(&ones),
         num_routes: r,
         top_k: 1,
@@ -1557,6 +1661,26 @@ mod tests {
 #[cfg(test)]
 mod select_tests {
     use super::*;
+
+    #[test]
+    fn mixed_tiles_from_176_routes_per_expert_or_128_over_many_experts() {
+        let h = (9, 0);
+        let mixed = RouteTiling::Mixed {
+            short: 128,
+            tall: 192,
+        };
+        let uniform = |bm| RouteTiling::Uniform(bm);
+        assert_eq!(GemmConfig::tiling(h, 4096 * 8, 256), mixed); // DeepSeek-V3, M = 4096
+        assert_eq!(GemmConfig::tiling(h, 16384 * 8, 256), mixed);
+        assert_eq!(GemmConfig::tiling(h, 128 * 64 - 1, 64), uniform(128)); // 127 per expert
+        assert_eq!(GemmConfig::tiling(h, 3072 * 8, 256), uniform(128)); // 96 per expert
+        assert_eq!(GemmConfig::tiling(h, 512 * 2, 8), uniform(192)); // Mixtral, M = 512
+        assert_eq!(GemmConfig::tiling(h, 176 * 8 - 1, 8), uniform(192));
+        assert_eq!(GemmConfig::tiling(h, 176 * 8, 8), mixed);
+        assert_eq!(GemmConfig::tiling(h, 16384 * 2, 8), mixed);
+        assert_eq!(GemmConfig::tiling(h, 2, 8), uniform(16)); // decode: swap-AB
+        assert_eq!(GemmConfig::tiling((8, 9), 1 << 20, 8), uniform(64));
+    }
 
     #[test]
     fn hopper_picks_wgmma_tiles_by_routes_per_expert_and_others_get_mma() {

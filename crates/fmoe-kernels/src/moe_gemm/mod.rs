@@ -43,8 +43,8 @@ mod tma;
 pub use cuda::{
     BM as CUDA_BLOCK_M, DEV_ROUTE_ROWS_ENV, DEV_SWAPAB_WIDE_ROUTES_ENV, Gemm2Sum, GemmConfig,
     GemmKind, K_MULTIPLE as CUDA_K_MULTIPLE, LARGE_TILE_ROUTES_PER_EXPERT,
-    MID_TILE_MAX_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID, SM90_SMALL, SM90_SWAPAB, SM90_TALL,
-    route_rows_pay,
+    MID_TILE_MAX_ROUTES_PER_EXPERT, MIXED_TILE_ROUTES_PER_EXPERT, MMA, SM90_LARGE, SM90_MID,
+    SM90_SMALL, SM90_SWAPAB, SM90_TALL, route_rows_pay,
 };
 pub use cuda_fp8::{
     DEV_FP8_LARGE_ENV, DEV_SWAPAB_BN_ENV, DEV_SWAPAB_ENV, FP8_BLOCK_LARGE, FP8_BLOCK_LARGE_HALVES,
@@ -63,10 +63,15 @@ pub(crate) fn cuda_variants() -> Vec<crate::catalog::KernelVariant> {
     v
 }
 
-/// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
 /// The family of the portable path's glue kernels (gather, SiLU⊙mul, top-k sum), never PDL.
 pub(crate) const GLUE_FAMILY: &str = cuda::GLUE_FAMILY;
 
+/// The mixed (short, tall) M tiles routes are aligned to on CUDA ([`GemmConfig::tiling`]).
+pub(crate) fn cuda_mixed_tiles() -> Vec<(usize, usize)> {
+    vec![(SM90_LARGE.bm, SM90_TALL.bm)]
+}
+
+/// The M tiles of every CUDA GEMM variant, ascending: the `block_m` values routes are aligned to.
 pub(crate) fn cuda_block_ms() -> Vec<usize> {
     let mut bms: Vec<usize> = [
         MMA,
@@ -88,7 +93,7 @@ pub(crate) fn cuda_block_ms() -> Vec<usize> {
 
 use fmoe_core::{DType, Device, Storage, Tensor};
 
-use crate::moe_align::AlignedRoutes;
+use crate::moe_align::{AlignedRoutes, RouteTiling};
 use crate::quant_fp8::FiniteCheck;
 use crate::{Error, Result};
 
@@ -129,6 +134,31 @@ pub fn block_m_for(
     match device {
         Device::Cpu => Ok(cpu_block_m),
         Device::Cuda(_) => Ok(Fp8GemmConfig::select(scheme, num_routes, experts).bm),
+    }
+}
+
+/// The M tiles the fused GEMMs of `device` need from [`crate::moe_align::align_routes_tiled`] for
+/// weights `w13`: on CUDA, bf16 weights on Hopper [`GemmConfig::tiling`] (mixed 128 / 192-row
+/// tiles where they pay), otherwise [`block_m_for`]'s one tile.
+pub fn tiling_for(
+    device: Device,
+    cpu_block_m: usize,
+    num_routes: usize,
+    experts: usize,
+    w13: &WeightOperand,
+) -> Result<RouteTiling> {
+    match (device, w13) {
+        (Device::Cuda(i), WeightOperand::Plain(_)) => {
+            let cc = fmoe_core::cuda::cuda_backend(i)?.compute_capability();
+            Ok(GemmConfig::tiling(cc, num_routes, experts))
+        }
+        _ => Ok(RouteTiling::Uniform(block_m_for(
+            device,
+            cpu_block_m,
+            num_routes,
+            experts,
+            w13,
+        )?)),
     }
 }
 

@@ -84,6 +84,16 @@ pub(super) fn fp8_routes<'a>(
     device: Device,
     scheme: Fp8Scheme,
 ) -> Result<Fp8Routes<'a>> {
+    if let Some(tall) = &routes.tall {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "routes are aligned to mixed M tiles ({} and {}); the CUDA {scheme:?} fp8 GEMMs \
+                 take one tile height",
+                routes.block_m, tall.block_m
+            ),
+        ));
+    }
     let Some(cfg) = Fp8GemmConfig::for_routes(
         scheme,
         routes.block_m,
