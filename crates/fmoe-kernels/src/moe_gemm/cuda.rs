@@ -21,7 +21,8 @@
 //! below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average (as the fp8 GEMMs; with
 //! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there, 192 × 192
-//! ones within [`TALL_TILE_ROUTES_PER_EXPERT`]. Contract (checked, with the dimension named): the reduction
+//! ones within [`TALL_TILE_ROUTES_PER_EXPERT`]; or both, one launch each, over routes aligned with
+//! mixed tile heights ([`GemmConfig::tiling`]). Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
