@@ -79,6 +79,21 @@ fn assert_same_alignment(gpu: &AlignedRoutes, cpu: &AlignedRoutes, what: &str) {
     );
 }
 
+/// Expert ids [m, k] on the CPU, skewed: with probability `p` a route goes to the first half of
+/// the experts, so those take most routes and some experts get none.
+fn skewed_ids(rng: &mut ChaCha8Rng, m: usize, e: usize, k: usize, p: f32) -> Tensor {
+    let ids: Vec<u32> = (0..m * k)
+        .map(|_| {
+            if rng.random::<f32>() < p {
+                rng.random_range(0..e.div_ceil(2)) as u32
+            } else {
+                rng.random_range(0..e) as u32
+            }
+        })
+        .collect();
+    Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap()
+}
+
 /// Mixed tiles: the GPU's two segments describe the CPU twin's grouping. The GPU's tall segment
 /// starts at the short tile's capacity (the CPU's right after the short blocks), so tall offsets
 /// and blocks are compared relative to each side's segment start; which of an expert's routes fill
@@ -188,16 +203,7 @@ fn moe_align_mixed_tiles_match_the_cpu_twin() {
         (3000, 1500, 6),
     ];
     for (m, e, k) in cases {
-        let ids: Vec<u32> = (0..m * k)
-            .map(|_| {
-                if rng.random::<f32>() < 0.7 {
-                    rng.random_range(0..e.div_ceil(2)) as u32
-                } else {
-                    rng.random_range(0..e) as u32
-                }
-            })
-            .collect();
-        let cpu_ids = Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap();
+        let cpu_ids = skewed_ids(&mut rng, m, e, k, 0.7);
         for (short, tall) in [(128, 192), (16, 24)] {
             let what = format!("M={m} E={e} k={k} tiles {short}/{tall}");
             let tiling = RouteTiling::Mixed { short, tall };
@@ -231,17 +237,7 @@ fn moe_align_matches_the_cpu_twin() {
         (64, 4085, 2),
     ];
     for (m, e, k) in cases {
-        // Skewed ids: half the experts take most routes, some get none.
-        let ids: Vec<u32> = (0..m * k)
-            .map(|_| {
-                if rng.random::<f32>() < 0.8 {
-                    rng.random_range(0..e.div_ceil(2)) as u32
-                } else {
-                    rng.random_range(0..e) as u32
-                }
-            })
-            .collect();
-        let cpu_ids = Tensor::from_vec(ids, [m, k], &Device::Cpu).unwrap();
+        let cpu_ids = skewed_ids(&mut rng, m, e, k, 0.8);
         for bm in [CUDA_BLOCK_M, 16, 192] {
             let what = format!("M={m} E={e} k={k} block_m={bm}");
             let cpu = align_routes(&cpu_ids, e, bm).unwrap();
