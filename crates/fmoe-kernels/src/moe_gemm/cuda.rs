@@ -824,10 +824,9 @@ fn route_segments<'a>(
     routes: &'a AlignedRoutes,
     device: Device,
 ) -> Result<Vec<RouteBuffers<'a>>> {
-    let cc = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?
-        .backend()
-        .compute_capability();
-    let sorted = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?.buffer();
+    let sorted_storage = cuda_storage(op, "sorted_routes", &routes.sorted_routes, device)?;
+    let cc = sorted_storage.backend().compute_capability();
+    let sorted = sorted_storage.buffer();
     let blocks = cuda_storage(op, "block_experts", &routes.block_experts, device)?.buffer();
     let total = cuda_storage(op, "total", &routes.total, device)?.buffer();
     let kernel_for = |block_m: usize| {
@@ -851,7 +850,7 @@ fn route_segments<'a>(
             )
         })
     };
-    const U32: usize = 4;
+    let u32_bytes = DType::U32.size_in_bytes();
     let Some(tall) = &routes.tall else {
         return Ok(vec![RouteBuffers {
             cfg: kernel_for(routes.block_m)?,
@@ -865,15 +864,15 @@ fn route_segments<'a>(
     Ok(vec![
         RouteBuffers {
             cfg: kernel_for(routes.block_m)?,
-            sorted: sorted.slice(..tall.slot_base * U32),
-            blocks: blocks.slice(..tall.block_base * U32),
+            sorted: sorted.slice(..tall.slot_base * u32_bytes),
+            blocks: blocks.slice(..tall.block_base * u32_bytes),
             total: total.slice(..),
             slots: tall.slot_base,
         },
         RouteBuffers {
             cfg: kernel_for(tall.block_m)?,
-            sorted: sorted.slice(tall.slot_base * U32..),
-            blocks: blocks.slice(tall.block_base * U32..),
+            sorted: sorted.slice(tall.slot_base * u32_bytes..),
+            blocks: blocks.slice(tall.block_base * u32_bytes..),
             total: tall_total.slice(..),
             slots: routes.slots() - tall.slot_base,
         },
