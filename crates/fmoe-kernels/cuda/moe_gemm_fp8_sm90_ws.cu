@@ -34,17 +34,21 @@
 //   the order of moe_gemm/cpu.rs. acc (128) + partial (64) do not fit the 168 registers of 384
 //   threads: setmaxnreg gives the loaders 40 and the MMA warpgroups 232 (the warpgroup that is
 //   promoting leaves the tensor cores to the other).
-//   PIPE_PROMOTE = p > 0 (1, 2 or 4; the default: 2 for GEMM1, 0 for GEMM2): the partial is split into two
+//   ORDER_MMA=1 (the default, halves only): the two MMA warpgroups take turns at issuing their
+//   halves (named barriers 2 and 3), so one's MMAs run while the other waits for and promotes its
+//   own; a half all in one weight block (always when N % 128 == 0) takes one scale per row. H200
+//   (BENCHMARKS.md, "ordered issue"): GEMM1 as fast as the quarters below with 6 % fewer
+//   instructions, 1.02-1.07x the unordered halves per layer.
+//   PIPE_PROMOTE = p > 0 (1, 2 or 4): the partial is split into two
 //   32-register quarters (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is
 //   issued before quarter q is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's
 //   own MMAs run under its promotion; same products, same fmaf, same order (bit-identical to
 //   PIPE_PROMOTE=0, tests/cuda_fp8_promotion.rs). ptxas serializes every wgmma (C7514) when a
 //   group is in flight across a loop's back edge, so the K loop takes p K blocks per iteration
 //   and drains once per iteration (the last quarter is promoted alone). H200 (BENCHMARKS.md,
-//   "promotion pipelined over 64-row quarters"): 1.03-1.08x the halves per layer at M >= 2048;
-//   ncu: the wgmma waits leave the stall samples, the wgmma issue (A re-read per quarter) and
-//   the promotion's issue slots stay, GEMM2 alone is ~4 % slower, so GEMM2 keeps the halves
-//   (1.01-1.04x per layer, "64-route swap-AB blocks ... GEMM2's promotion back on the halves").
+//   "promotion pipelined over 64-row quarters"): 1.03-1.08x the unordered halves per layer at
+//   M >= 2048 (it was GEMM1's default before ORDER_MMA); ncu: the wgmma waits leave the stall
+//   samples, the wgmma issue (A re-read per quarter) and the promotion's issue slots stay.
 //   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
 //   the same arrival) into the stage; the MMA warps read the expert's four weight-block scales of
 //   the K block from global memory before waiting for the stage. A half (or quarter) whose rows
@@ -84,6 +88,10 @@
 #define PIPE_PROMOTE 0
 #endif
 static_assert(PIPE_PROMOTE == 0 || PIPE_PROMOTE == 1 || PIPE_PROMOTE == 2 || PIPE_PROMOTE == 4, "K blocks per drain");
+#ifndef ORDER_MMA
+#define ORDER_MMA 0
+#endif
+static_assert(!ORDER_MMA || (BLOCK_SCALED && !PIPE_PROMOTE), "ordered issue is for the promoted halves");
 #ifndef RASTER_GM
 #define RASTER_GM 16
 #endif
@@ -137,6 +145,18 @@ __device__ __forceinline__ void promote_quarter(float* acc, const float* part, i
                 }
         }
     }
+}
+#endif
+
+#if ORDER_MMA
+// The two MMA warpgroups take turns at issuing (named barrier 2 + w: "warpgroup w may issue"), so
+// one's wgmma runs while the other waits for and promotes its own: with both issuing at once they
+// finish together and promote together, the tensor cores idle meanwhile.
+__device__ __forceinline__ void mma_turn_wait(unsigned int cw) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(2 + cw) : "memory");
+}
+__device__ __forceinline__ void mma_turn_pass(unsigned int cw) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - cw) : "memory");
 }
 #endif
 
@@ -304,11 +324,19 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #if !BLOCK_SCALED && MODE == 1
     unsigned int hmax = 0;  // bits of max |h| over the block's tiles
 #endif
+#if ORDER_MMA
+    if (cw == 1) mma_turn_pass(cw);  // warpgroup 0 issues first
+#endif
     for (unsigned int claim = 0;; ++claim) {
         mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
         const unsigned int tl = tile_ring[claim & 1];
         warp_arrive(tempty0 + 8 * (claim & 1), lane);
-        if (tl >= tiles) break;
+        if (tl >= tiles) {
+#if ORDER_MMA
+            if (cw == 0) mma_turn_wait(cw);  // warpgroup 1's last pass: every arrival is waited for
+#endif
+            break;
+        }
         const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
         if (w.idle) continue;
         const PipeTile tc = w.tc;
@@ -421,16 +449,40 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf) {
                 const unsigned long long db = smem_desc(st + A_BYTES + hf * HALF_BYTES);
+#if ORDER_MMA
+                mma_turn_wait(cw);
+#endif
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < BK / 32; ++ks)
                     // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
                     wgmma_m64n128k32_e4m3(part, da + 2 * ks, db + 2 * ks, ks > 0);
                 wgmma_commit();
+#if ORDER_MMA
+                mma_turn_pass(cw);
+#endif
                 wgmma_wait<0>();
                 wgmma_fence_operands<64>(part);
                 const float wlo = hf ? w10 : w00, whi = hf ? w11 : w01;
                 const int thr = hf ? thr1 : thr0;
+#if ORDER_MMA
+                if (thr >= 128) {
+                    // The whole half in one weight block (always when N % 128 == 0): one scale per
+                    // row, the same product as the per-column choice below.
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const float sc = (h ? sa1 : sa0) * wlo;
+#pragma unroll
+                        for (int j = 0; j < 16; ++j)
+#pragma unroll
+                            for (int q = 0; q < 2; ++q) {
+                                const int i = 4 * j + 2 * h + q;
+                                acc[64 * hf + i] = fmaf(part[i], sc, acc[64 * hf + i]);
+                            }
+                    }
+                    continue;
+                }
+#endif
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float s_a = h ? sa1 : sa0;

@@ -1,6 +1,7 @@
-//! The block-scaled prefill GEMM's promotion schedules (`FMOE_DEV_FP8_LARGE` = `promote-halves`,
-//! the default = `promote-gemm2-halves` (quarters in GEMM1, halves in GEMM2), `promote-drain1|2|4`
-//! (quarters in both)) give the same bits: the pipelined 64-row
+//! The block-scaled prefill GEMM's promotion schedules (`FMOE_DEV_FP8_LARGE` = the default =
+//! `promote-ordered` (the halves, the two MMA warpgroups taking turns at issuing), `promote-halves`
+//! (issued at will), `promote-drain1|2|4` (quarters in both GEMMs), `promote-gemm2-halves` and
+//! `promote-gemm2-ordered` (quarters in GEMM1)) give the same bits: the pipelined 64-row
 //! quarters do the same tensor-core products, the same `fmaf` with the same scale products, in
 //! the same order as the 128-row halves, so GEMM1's h (codes and group scales) and GEMM2's y must
 //! be bit-identical, not merely close.
@@ -109,6 +110,8 @@ fn promotion_schedules_give_the_same_bits() {
         "promote-drain2",
         "promote-drain4",
         "promote-gemm2-halves",
+        "promote-ordered",
+        "promote-gemm2-ordered",
     ] {
         let path =
             std::env::temp_dir().join(format!("fmoe_promotion_{}_{v}.bin", std::process::id()));

@@ -40,13 +40,13 @@
 //!   [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 49 with 64-route blocks
 //!   ([`swapab_route_block_for`]);
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
-//!   256 tiles, promotion per 128-wide K block (GEMM1: each MMA warpgroup multiplies the tile's
-//!   four 64-row quarters into two 32-register partials in turn and promotes each while the next
-//!   one multiplies; GEMM2: two 128-row halves, each waited for and promoted; all bit-identical;
-//!   setmaxnreg 40 / 232), A's group scales carried in the stage by the loaders. H200: the quarters
-//!   1.03-1.08× the halves ([`FP8_BLOCK_LARGE_HALVES`], dev `promote-halves`) at M = 2048-16384
-//!   (BENCHMARKS.md, "block-scaled promotion"), GEMM2 back on the halves 1.01-1.04× more
-//!   ([`FP8_BLOCK_LARGE_QUARTERS`] is quarters in both).
+//!   256 tiles, promotion per 128-wide K block: each MMA warpgroup multiplies the tile's two
+//!   128-row halves into a 64-register partial in turn, waits for and promotes each, and the two
+//!   warpgroups take turns at issuing, so one's MMAs run while the other promotes (setmaxnreg 40 /
+//!   232), A's group scales carried in the stage by the loaders. The other promotion schedules
+//!   ([`FP8_BLOCK_LARGE_HALVES`]: unordered; [`FP8_BLOCK_LARGE_QUARTERS`]: 64-row quarters, each
+//!   promoted while the next multiplies) give the same bits; on the H200 the ordered halves match
+//!   or beat both (BENCHMARKS.md, "ordered issue").
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
@@ -144,6 +144,9 @@ pub struct Fp8GemmConfig {
     /// `promote_pipe` of GEMM2 (MODE 2): the two modes compile separately, so each can take the
     /// schedule that suits it.
     pub promote_pipe_gemm2: usize,
+    /// Block-scaled `ws` only, for the modes on the halves (`promote_pipe` 0): the two MMA
+    /// warpgroups take turns at issuing (`-D ORDER_MMA`), so one multiplies while the other promotes.
+    pub order_mma: bool,
 }
 
 /// Per-tensor, decode-sized batches: promoted, 64 × 128 tiles.
@@ -158,6 +161,7 @@ pub const FP8_TENSOR_SMALL: Fp8GemmConfig = Fp8GemmConfig {
     swap_ab: false,
     promote_pipe: 0,
     promote_pipe_gemm2: 0,
+    order_mma: false,
 };
 
 /// Per-tensor, prefill-sized batches: unpromoted, 128 × 256 tiles, warp-specialized with TMA
@@ -173,6 +177,7 @@ pub const FP8_TENSOR_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     swap_ab: false,
     promote_pipe: 0,
     promote_pipe_gemm2: 0,
+    order_mma: false,
 };
 
 /// The previous [`FP8_TENSOR_LARGE`]: `moe_gemm_fp8_sm90.cu` with 128 × 256 tiles (two warpgroups
@@ -196,14 +201,15 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
     swap_ab: false,
     promote_pipe: 0,
     promote_pipe_gemm2: 0,
+    order_mma: false,
 };
 
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
-/// promoted per 128-wide K block; GEMM1 in 64-row quarters overlapping the next quarter's MMAs
-/// (drained once per pair of K blocks), GEMM2 in 128-row halves (ncu had the quarters 9 % faster in
-/// GEMM1, whose per-column scale choice they drop, but 4 % slower in GEMM2, which compiled without
-/// it already; H200: 1.01-1.04x over quarters in both at M = 2048-8192, BENCHMARKS.md, "GEMM2's
-/// promotion back on the halves"); persistent (tiles claimed in grouped order from a counter).
+/// promoted per 128-wide K block in 128-row halves, each waited for and promoted, the two MMA
+/// warpgroups taking turns at issuing so one multiplies while the other promotes (`-D ORDER_MMA`;
+/// H200: 1.00-1.04× the quarters in GEMM1 / halves in GEMM2 it replaced and 1.02-1.07× the
+/// unordered halves at M = 1536-16384, BENCHMARKS.md, "ordered issue"); persistent (tiles claimed
+/// in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
@@ -213,22 +219,26 @@ pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     ws: true,
     raster_gm: 16,
     swap_ab: false,
-    promote_pipe: 2,
-    promote_pipe_gemm2: 0,
-};
-
-/// [`FP8_BLOCK_LARGE`] with its previous promotion: 128-row halves, each waited for and promoted
-/// before the next one is issued. The dev experiment "promote-halves" of [`DEV_FP8_LARGE_ENV`].
-pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
     promote_pipe: 0,
     promote_pipe_gemm2: 0,
+    order_mma: true,
+};
+
+/// [`FP8_BLOCK_LARGE`] with both warpgroups issuing at will: the halves' promotion before the
+/// ordered issue. The dev experiment "promote-halves" of [`DEV_FP8_LARGE_ENV`].
+pub const FP8_BLOCK_LARGE_HALVES: Fp8GemmConfig = Fp8GemmConfig {
+    order_mma: false,
     ..FP8_BLOCK_LARGE
 };
 
-/// [`FP8_BLOCK_LARGE`] with the quarters in GEMM2 too (the previous default). The dev experiment
-/// "promote-drain2" of [`DEV_FP8_LARGE_ENV`].
+/// [`FP8_BLOCK_LARGE`] with 64-row quarters in both GEMMs, each promoted while the next one
+/// multiplies (drained every 2 K blocks). The dev experiment "promote-drain2" of
+/// [`DEV_FP8_LARGE_ENV`]; with GEMM2 on the unordered halves ("promote-gemm2-halves", whose two
+/// CUBINs are this one's MODE 1 and the halves' MODE 2) it was the default before the ordered issue.
 pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
+    promote_pipe: 2,
     promote_pipe_gemm2: 2,
+    order_mma: false,
     ..FP8_BLOCK_LARGE
 };
 
@@ -247,6 +257,7 @@ pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     swap_ab: true,
     promote_pipe: 0,
     promote_pipe_gemm2: 0,
+    order_mma: false,
 };
 
 /// Block-scaled, few routes per expert: the swap-AB kernel with `BLOCK_SCALED=1`.
@@ -410,21 +421,41 @@ fn dev_swapab_bn() -> Option<usize> {
 
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
 /// warp-specialized ones replaced ([`FP8_TENSOR_SYNC`]; block-scaled: [`FP8_BLOCK_SCALED`], the
-/// only block kernel before); `promote-halves` runs the block-scaled warp-specialized kernel with
-/// the halves in both GEMMs ([`FP8_BLOCK_LARGE_HALVES`]), `promote-gemm2-halves` the default
-/// (quarters in GEMM1, halves in GEMM2) and `promote-drain1|2|4` with quarters in both GEMMs
-/// drained every 1, 2 or 4 K blocks (2: [`FP8_BLOCK_LARGE_QUARTERS`], the previous default) ([`Fp8GemmConfig::promote_pipe`]; not catalog variants:
-/// compiled when used), so one binary can time and test them all (read once per process; not a
-/// user setting; "default" or unset = the warp-specialized kernels as selected).
+/// only block kernel before). The block-scaled warp-specialized kernel's promotion schedules
+/// ([`Fp8GemmConfig::promote_pipe`], [`Fp8GemmConfig::order_mma`]): `promote-ordered` = the
+/// default, `promote-halves` the halves issued at will in both GEMMs ([`FP8_BLOCK_LARGE_HALVES`]),
+/// `promote-drain1|2|4` quarters in both GEMMs drained every 1, 2 or 4 K blocks (2:
+/// [`FP8_BLOCK_LARGE_QUARTERS`]), `promote-gemm2-halves` quarters in GEMM1 and the halves in GEMM2
+/// (the previous default), `promote-gemm2-ordered` the same with the ordered halves in GEMM2 (the
+/// schedules outside the catalog are compiled when used), so one binary can time and test them all
+/// (read once per process; not a user setting; "default" or unset = the kernels as selected).
 pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
+
+/// Dev-only: `FMOE_DEV_FP8_RASTER_GM=<n>` (1..=64) gives the warp-specialized fp8 kernels
+/// groups of n M blocks in their tile order instead of [`FP8_TENSOR_LARGE`]'s and
+/// [`FP8_BLOCK_LARGE`]'s 16 (compiled when used; read once per process; not a user setting).
+pub const DEV_FP8_RASTER_GM_ENV: &str = "FMOE_DEV_FP8_RASTER_GM";
+
+/// [`DEV_FP8_RASTER_GM_ENV`] (an unusable value is reported once on stderr and ignored).
+fn dev_raster_gm() -> Option<usize> {
+    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let v = std::env::var(DEV_FP8_RASTER_GM_ENV).ok()?;
+        let gm = v.parse::<usize>().ok().filter(|g| (1..=64).contains(g));
+        if gm.is_none() {
+            eprintln!("fmoe: {DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored");
+        }
+        gm
+    })
+}
 
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DevLarge {
     Default,
     Sync,
-    /// The block-scaled large kernel with these `promote_pipe` (GEMM1, GEMM2).
-    Promote(usize, usize),
+    /// The block-scaled large kernel with these `promote_pipe` (GEMM1, GEMM2) and `order_mma`.
+    Promote(usize, usize, bool),
 }
 
 /// [`DEV_FP8_LARGE_ENV`] (an unknown value is reported once on stderr and ignored).
@@ -433,16 +464,18 @@ fn dev_large() -> DevLarge {
     *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
         Err(_) | Ok("default") => DevLarge::Default,
         Ok("sync") => DevLarge::Sync,
-        Ok("promote-halves") => DevLarge::Promote(0, 0),
-        Ok("promote-drain1") => DevLarge::Promote(1, 1),
-        Ok("promote-drain2") => DevLarge::Promote(2, 2),
-        Ok("promote-drain4") => DevLarge::Promote(4, 4),
-        Ok("promote-gemm2-halves") => DevLarge::Promote(2, 0),
+        Ok("promote-halves") => DevLarge::Promote(0, 0, false),
+        Ok("promote-drain1") => DevLarge::Promote(1, 1, false),
+        Ok("promote-drain2") => DevLarge::Promote(2, 2, false),
+        Ok("promote-drain4") => DevLarge::Promote(4, 4, false),
+        Ok("promote-gemm2-halves") => DevLarge::Promote(2, 0, false),
+        Ok("promote-ordered") => DevLarge::Promote(0, 0, true),
+        Ok("promote-gemm2-ordered") => DevLarge::Promote(2, 0, true),
         Ok(other) => {
             eprintln!(
                 "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
                  \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
-                 \"promote-gemm2-halves\"]; \
+                 \"promote-gemm2-halves\", \"promote-ordered\", \"promote-gemm2-ordered\"]; \
                  using the default"
             );
             DevLarge::Default
@@ -457,9 +490,10 @@ fn dev_sync() -> bool {
 /// `cfg` with the promotion [`DEV_FP8_LARGE_ENV`] asks for, when it is the block-scaled large one.
 fn with_dev_promote(cfg: Fp8GemmConfig, dev: DevLarge) -> Fp8GemmConfig {
     match dev {
-        DevLarge::Promote(p1, p2) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
+        DevLarge::Promote(p1, p2, order_mma) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
             promote_pipe: p1,
             promote_pipe_gemm2: p2,
+            order_mma,
             ..cfg
         },
         _ => cfg,
@@ -533,7 +567,11 @@ impl Fp8GemmConfig {
             return Self::swap_ab(scheme, bn, swapab_stages_for(bn));
         }
         let large = num_routes >= large_tile_routes_per_expert() * experts.max(1);
-        with_dev_promote(Self::select_with(scheme, large, dev_sync()), dev_large())
+        let cfg = with_dev_promote(Self::select_with(scheme, large, dev_sync()), dev_large());
+        match dev_raster_gm() {
+            Some(raster_gm) if cfg.ws => Fp8GemmConfig { raster_gm, ..cfg },
+            _ => cfg,
+        }
     }
 
     /// The swap-AB variant of `scheme` with route blocks of `bn` and a ring of `stages`.
@@ -681,6 +719,8 @@ impl Fp8GemmConfig {
             };
             if pipe > 0 {
                 d.push(("PIPE_PROMOTE", pipe.to_string()));
+            } else if self.order_mma && block == 1 {
+                d.push(("ORDER_MMA", "1".to_string()));
             }
             return d;
         }
@@ -809,22 +849,27 @@ mod tests {
                 ("BLOCK_SCALED", "1".to_string()),
                 ("STAGES", "4".to_string()),
                 ("RASTER_GM", "16".to_string()),
-                ("PIPE_PROMOTE", "2".to_string())
+                ("ORDER_MMA", "1".to_string())
             ]
         );
-        // The default: GEMM1 on the quarters, GEMM2 on the halves; the quarters in GEMM2 stay a
-        // catalog variant (the previous default), each CUBIN listed once.
+        // The default: the ordered halves in both GEMMs; the unordered halves and the quarters
+        // stay catalog variants (the previous default's two CUBINs are among theirs).
         assert_eq!(
-            FP8_BLOCK_LARGE_QUARTERS.defines(1),
-            FP8_BLOCK_LARGE.defines(1)
+            FP8_BLOCK_LARGE.defines(2)[4],
+            ("ORDER_MMA", "1".to_string())
         );
         assert_eq!(
-            FP8_BLOCK_LARGE.defines(2),
-            FP8_BLOCK_LARGE_HALVES.defines(2)
+            FP8_BLOCK_LARGE_QUARTERS.defines(1)[4],
+            ("PIPE_PROMOTE", "2".to_string())
         );
         assert_eq!(
             FP8_BLOCK_LARGE_QUARTERS.defines(2)[4],
             ("PIPE_PROMOTE", "2".to_string())
+        );
+        // Ordering applies to the halves only: a quarters mode ignores it.
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0, true)).defines(1),
+            FP8_BLOCK_LARGE_QUARTERS.defines(1)
         );
         let names: Vec<String> = variants().iter().map(KernelVariant::name).collect();
         let unique: std::collections::BTreeSet<&String> = names.iter().collect();
@@ -848,13 +893,13 @@ mod tests {
                 );
             }
         }
-        // 3 block-scaled large schedules x (2 modes + GEMM2 with per-route rows): 6 CUBINs.
+        // 3 block-scaled large schedules x (2 modes + GEMM2 with per-route rows): 9 CUBINs.
         let ws_block = names
             .iter()
             .filter(|n| n.starts_with(&format!("{WS_FAMILY}/{BLOCK_ENTRY}[")))
             .count();
-        assert_eq!(ws_block, 6);
-        // The previous promotion: the same source without the define.
+        assert_eq!(ws_block, 9);
+        // The unordered halves: the same source without either define.
         assert_eq!(
             FP8_BLOCK_LARGE_HALVES.defines(2),
             [
@@ -1061,27 +1106,31 @@ mod tests {
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 48), None);
         // The dev promotions replace only the block-scaled large kernel.
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0, false)),
             FP8_BLOCK_LARGE_HALVES
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4, 4)).defines(2)[4],
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4, 4, false)).defines(2)[4],
             ("PIPE_PROMOTE", "4".to_string())
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0, true)),
             FP8_BLOCK_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 2)),
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0, false)).defines(2),
+            FP8_BLOCK_LARGE_HALVES.defines(2)
+        );
+        assert_eq!(
+            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 2, false)),
             FP8_BLOCK_LARGE_QUARTERS
         );
         assert_eq!(
-            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0)),
+            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0, false)),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1, 1)),
+            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1, 1, false)),
             FP8_BLOCK_SCALED
         );
         assert_eq!(
