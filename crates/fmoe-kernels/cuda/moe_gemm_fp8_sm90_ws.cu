@@ -264,9 +264,14 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             const unsigned int half0 = tc.n_tile * NB, half1 = half0 + NB / 2;
 #endif
             const int row0 = (int)(e * w_rows);
-            // The gathered A row of each tile row (in shared memory: registers are short in the
-            // loaders, 40 with block scales), NO_ROW for padding. The claim's bar.sync above
-            // ordered every loader's reads of the previous tile's rows before these writes.
+            // The gathered A row of each tile row (NO_ROW for padding), through shared memory.
+            // Per-tensor: the rows this thread copies in registers for the whole tile (a shared
+            // read per copy stalled each copy on it: ncu's top loader stall; H200 1.14-1.17x per
+            // layer). Block scales: the loaders have 40 registers, and 8 more spill, for no gain
+            // there (its MMA warps bound it), so each copy reads its row from shared memory.
+#if !BLOCK_SCALED
+            unsigned int rows[A_PER_THREAD];
+#endif
             {
                 const unsigned int rt = sorted_routes[m0 + tid];
 #if MODE == 1
@@ -276,7 +281,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #endif
                 a_row[tid] = my_row;
             }
+            // The claim's bar.sync above ordered every loader's reads of the previous tile's rows
+            // before these writes; this one orders the writes before the reads.
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
+#if !BLOCK_SCALED
+#pragma unroll
+            for (int i = 0; i < A_PER_THREAD; ++i) rows[i] = a_row[(tid >> 3) + 16 * i];
+#endif
             for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES;
                 // Slot s last held K step it - STAGES: wait until the MMA warps released it.
@@ -292,7 +303,12 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 const unsigned int col = k0 + ch * 16;
 #pragma unroll
                 for (int i = 0; i < A_PER_THREAD; ++i) {
-                    const unsigned int r = (tid >> 3) + 16 * i, row = a_row[r];
+                    const unsigned int r = (tid >> 3) + 16 * i;
+#if BLOCK_SCALED
+                    const unsigned int row = a_row[r];
+#else
+                    const unsigned int row = rows[i];
+#endif
                     const bool ok = row != NO_ROW && col < kd;
                     cp_async16(sa + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
                 }
