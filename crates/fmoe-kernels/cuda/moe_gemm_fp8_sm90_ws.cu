@@ -50,8 +50,8 @@
 //   M >= 2048 (it was GEMM1's default before ORDER_MMA); ncu: the wgmma waits leave the stall
 //   samples, the wgmma issue (A re-read per quarter) and the promotion's issue slots stay.
 //   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
-//   the same arrival) into the stage; the MMA warps read the expert's four weight-block scales of
-//   the K block from global memory before waiting for the stage. A half (or quarter) whose rows
+//   the same arrival) into the stage, and the expert's four weight-block scales of the K block the
+//   tile's halves may touch (loader threads 0-3); the MMA warps read both from shared memory. A half (or quarter) whose rows
 //   straddle two weight blocks (the up rows when N % 128 != 0) picks the scale per column (a
 //   quarter all in one block takes one scale per row); MODE 1's 128 output columns are one 1 x 128
 //   group of h, whole in each thread's row, so the group quantization needs only quad shuffles.
@@ -197,6 +197,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     __shared__ unsigned int a_row[BM];  // the loaders' gathered A row of each tile row
 #if BLOCK_SCALED
     __shared__ float a_sc[STAGES][BM];  // A's group scale of each tile row for the stage's K block
+    // The expert's weight-block scales of the stage's K block: the two blocks each 128-row half of
+    // the weight tile may touch ([b0, b0 + 1, b1, b1 + 1], clamped to the last block).
+    __shared__ float w_sc[STAGES][4];
 #endif
 
     const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -264,6 +267,15 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             const unsigned int half0 = tc.n_tile * NB, half1 = half0 + NB / 2;
 #endif
             const int row0 = (int)(e * w_rows);
+#if BLOCK_SCALED
+            // Threads 0-3 copy the weight-block scales w_sc[.][tid] of each stage (the MMA warps
+            // read them from shared memory instead of computing four addresses per K block).
+            const float* my_ws = w_scale;
+            if (tid < 4) {
+                const unsigned int wrb = (w_rows + 127) / 128, hb = (tid < 2 ? half0 : half1) >> 7;
+                my_ws += ((unsigned long long)e * wrb + min(hb + (tid & 1), wrb - 1)) * kblocks;
+            }
+#endif
             // The gathered A row of each tile row (NO_ROW for padding), through shared memory.
             // Per-tensor: the rows this thread copies in registers for the whole tile (a shared
             // read per copy stalled each copy on it: ncu's top loader stall; H200 1.14-1.17x per
@@ -319,6 +331,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                     cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][tid])),
                               a_scale + (ok ? (unsigned long long)my_row * kblocks + first + kt : 0), ok);
                 }
+                if (tid < 4)
+                    cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&w_sc[s][tid])), my_ws + first + kt,
+                              true);
 #endif
                 // full[s] completes once all 128 threads' copies (and the TMA bytes) landed.
                 cp_async_arrive_noinc(full_s);
@@ -375,15 +390,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #endif
         // Weight-scale blocks of each half: rows half_h + c lie in block b_h for c < thr_h, b_h + 1
         // beyond. A half past the expert's rows (columns never stored) is clamped to the last block.
-        const unsigned int wrb = (w_rows + 127) / 128;
-        const float* wse = w_scale + (unsigned long long)e * wrb * kblocks;
-        const unsigned int b0 = min(half0 >> 7, wrb - 1), b0n = min(b0 + 1, wrb - 1);
-        const unsigned int b1 = min(half1 >> 7, wrb - 1), b1n = min(b1 + 1, wrb - 1);
+        // (the stage's w_sc, copied by the loaders).
         const int thr0 = 128 - (int)(half0 & 127), thr1 = 128 - (int)(half1 & 127);
-        const float* ws00 = wse + (unsigned long long)b0 * kblocks;
-        const float* ws01 = wse + (unsigned long long)b0n * kblocks;
-        const float* ws10 = wse + (unsigned long long)b1 * kblocks;
-        const float* ws11 = wse + (unsigned long long)b1n * kblocks;
 #if PIPE_PROMOTE
         // Quarter q4 of a K block: weight-tile rows 64 q4 .. 64 q4 + 63 (half q4 >> 1) into
         // part[q4 & 1], promoted into acc[32 q4 ..] while quarter q4 + 1 multiplies. ptxas keeps
@@ -394,10 +402,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         // The scales of the previous K block, whose quarter 3 is in flight at a `lead = false` block.
         float psa0 = 0.0f, psa1 = 0.0f, pw10 = 0.0f, pw11 = 0.0f;
         auto kblock = [&](unsigned int kt, bool lead, bool drain) {
-            const unsigned int s = it % STAGES, kb = first + kt;
-            // Issued before the wait, so their latency hides behind it.
-            const float w00 = ws00[kb], w01 = ws01[kb], w10 = ws10[kb], w11 = ws11[kb];
+            const unsigned int s = it % STAGES;
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const float w00 = w_sc[s][0], w01 = w_sc[s][1], w10 = w_sc[s][2], w11 = w_sc[s][3];
             // A and its scales were written by cp.async (generic proxy); wgmma reads through the
             // async proxy.
             fence_proxy_async_shared();
@@ -452,10 +459,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         float part[64];
 
         for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
-            const unsigned int s = it % STAGES, kb = first + kt;
-            // Issued before the wait, so their latency hides behind it.
-            const float w00 = ws00[kb], w01 = ws01[kb], w10 = ws10[kb], w11 = ws11[kb];
+            const unsigned int s = it % STAGES;
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const float w00 = w_sc[s][0], w01 = w_sc[s][1], w10 = w_sc[s][2], w11 = w_sc[s][3];
             // A and its scales were written by cp.async (generic proxy); wgmma reads through the
             // async proxy.
             fence_proxy_async_shared();
