@@ -38,7 +38,8 @@
 //   halves (named barriers 2 and 3), so one's MMAs run while the other waits for and promotes its
 //   own; a half all in one weight block (always when N % 128 == 0) takes one scale per row. H200
 //   (BENCHMARKS.md, "ordered issue"): GEMM1 as fast as the quarters below with 6 % fewer
-//   instructions, 1.02-1.07x the unordered halves per layer.
+//   instructions, 1.02-1.10x the unordered halves per layer; passing the turn only once the
+//   warpgroup's MMAs are done (strict alternation on the tensor cores) is 0.92-0.98x.
 //   PIPE_PROMOTE = p > 0 (1, 2 or 4): the partial is split into two
 //   32-register quarters (wgmma.m64n64k32, weight-tile rows 64q .. 64q + 63): quarter q + 1 is
 //   issued before quarter q is waited for (wgmma.wait_group 1) and promoted, so the warpgroup's
@@ -51,7 +52,8 @@
 //   samples, the wgmma issue (A re-read per quarter) and the promotion's issue slots stay.
 //   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
 //   the same arrival) into the stage, and the expert's four weight-block scales of the K block the
-//   tile's halves may touch (loader threads 0-3); the MMA warps read both from shared memory. A half (or quarter) whose rows
+//   tile's halves may touch (loader threads 0-3); the MMA warps read both from shared memory (7 %
+//   fewer instructions than four global loads per K block there). A half (or quarter) whose rows
 //   straddle two weight blocks (the up rows when N % 128 != 0) picks the scale per column (a
 //   quarter all in one block takes one scale per row); MODE 1's 128 output columns are one 1 x 128
 //   group of h, whole in each thread's row, so the group quantization needs only quad shuffles.

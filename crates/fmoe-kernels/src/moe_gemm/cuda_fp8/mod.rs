@@ -207,9 +207,9 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
 /// Block-scaled, prefill-sized batches: 128 × 256 tiles, warp-specialized with TMA weights,
 /// promoted per 128-wide K block in 128-row halves, each waited for and promoted, the two MMA
 /// warpgroups taking turns at issuing so one multiplies while the other promotes (`-D ORDER_MMA`;
-/// H200: 1.00-1.04× the quarters in GEMM1 / halves in GEMM2 it replaced and 1.02-1.07× the
-/// unordered halves at M = 1536-16384, BENCHMARKS.md, "ordered issue"); persistent (tiles claimed
-/// in grouped order from a counter).
+/// H200: 0.97-1.05× the quarters in GEMM1 / halves in GEMM2 it replaced, noise-level, with 6 %
+/// fewer instructions, and 1.02-1.10× the unordered halves at M = 1536-16384, BENCHMARKS.md,
+/// "ordered issue"); persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
