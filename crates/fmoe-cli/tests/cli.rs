@@ -228,9 +228,11 @@ fn unknown_method_lists_the_valid_ones() {
 
 #[test]
 fn bench_on_cuda_without_a_device_is_one_line_error() {
+    // No device visible, so a machine with a GPU checks the same path as one without (CI).
+    let env = [("CUDA_VISIBLE_DEVICES", "")];
     let args = ["bench", "moe", "--device", "cuda", "--tokens", "1"];
-    let out = fmoe(&args, &[]);
-    let what = describe(&args, &[], &out);
+    let out = fmoe(&args, &env);
+    let what = describe(&args, &env, &out);
     let stderr = text(&out.stderr);
     assert!(!out.status.success(), "{what}");
     let lines: Vec<&str> = stderr.trim().lines().collect();
