@@ -208,7 +208,10 @@ _LIB = None
 
 
 def compile_one(job):
-    lib_path, include, family, file, defines = job
+    """NVRTC-compile one variant: job = (lib, include, family, file, defines[, extra options]).
+    Returns (family, defines, cubin or None, log)."""
+    lib_path, include, family, file, defines = job[:5]
+    extra = job[5] if len(job) > 5 else []
     global _LIB
     if _LIB is None:
         _LIB = ctypes.CDLL(lib_path)
@@ -220,7 +223,7 @@ def compile_one(job):
         return family, defines, None, f"nvrtcCreateProgram failed: {rc}"
     # nvrtc.rs's options, in its order, then the folder of the common headers.
     opts = [f"--gpu-architecture={ARCH}", "-std=c++17", f"-I{include}"]
-    opts += [f"-D{k}={x}" for k, x in defines] + [f"-I{CUDA_DIR}"]
+    opts += [f"-D{k}={x}" for k, x in defines] + [f"-I{CUDA_DIR}"] + list(extra)
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
