@@ -112,25 +112,26 @@ static_assert(!ORDER_MMA || (BLOCK_SCALED && !PIPE_PROMOTE), "ordered issue is f
 static_assert(STAGES >= 2, "a ring");
 static_assert(STAGE_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 
-#if BLOCK_SCALED && PIPE_PROMOTE
-// acc[32 q4 + i] += part[i] * its scale, part = quarter q4 (weight-tile columns 64 q4 ..; i = 4j + 2h
-// + qq: tile row r0 + 8h, column 64 (q4 & 1) + 8j + 2t + qq of its half); columns of the half below
-// thr take the scale of its first weight block (wlo), the others the next one's (whi). The same
-// scale products and fmaf as the halves' promotion (PIPE_PROMOTE=0), so the sums are bit-identical.
-__device__ __forceinline__ void promote_quarter(float* acc, const float* part, int q4, float sa0, float sa1, float wlo,
-                                                float whi, int thr, unsigned int t) {
-    const int c0 = 64 * (q4 & 1);
-    if (thr >= c0 + 64) {
-        // The whole quarter in the first block (always, when N % 128 == 0): no per-column choice.
+#if BLOCK_SCALED
+// acc[i] += part[i] * its scale, for a partial of NJ 8-column groups (i = 4j + 2h + qq: tile row
+// r0 + 8h, column c0 + 8j + 2t + qq of its 128-row half of the weight tile; acc points at the
+// partial's own accumulators): columns of the half below thr take the scale of its first weight
+// block (wlo), the others the next one's (whi). Every schedule (halves, quarters) promotes through
+// this, with the same scale products and fmaf in the same order: their sums are bit-identical.
+template <int NJ>
+__device__ __forceinline__ void promote(float* acc, const float* part, int c0, float sa0, float sa1, float wlo,
+                                        float whi, int thr, unsigned int t) {
+    if (thr >= c0 + 8 * NJ) {
+        // The whole partial in the first block (always, when N % 128 == 0): no per-column choice.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const float sc = (h ? sa1 : sa0) * wlo;
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NJ; ++j)
 #pragma unroll
                 for (int qq = 0; qq < 2; ++qq) {
                     const int i = 4 * j + 2 * h + qq;
-                    acc[32 * q4 + i] = fmaf(part[i], sc, acc[32 * q4 + i]);
+                    acc[i] = fmaf(part[i], sc, acc[i]);
                 }
         }
     } else {
@@ -139,15 +140,23 @@ __device__ __forceinline__ void promote_quarter(float* acc, const float* part, i
             const float s_a = h ? sa1 : sa0;
             const float slo = s_a * wlo, shi = s_a * whi;
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < NJ; ++j)
 #pragma unroll
                 for (int qq = 0; qq < 2; ++qq) {
                     const int i = 4 * j + 2 * h + qq;
-                    acc[32 * q4 + i] = fmaf(part[i], (c0 + 8 * j + 2 * (int)t + qq) < thr ? slo : shi, acc[32 * q4 + i]);
+                    acc[i] = fmaf(part[i], (c0 + 8 * j + 2 * (int)t + qq) < thr ? slo : shi, acc[i]);
                 }
         }
     }
 }
+
+#if PIPE_PROMOTE
+// Quarter q4 (weight-tile columns 64 q4 ..) into acc[32 q4 ..].
+__device__ __forceinline__ void promote_quarter(float* acc, const float* part, int q4, float sa0, float sa1, float wlo,
+                                                float whi, int thr, unsigned int t) {
+    promote<8>(acc + 32 * q4, part, 64 * (q4 & 1), sa0, sa1, wlo, whi, thr, t);
+}
+#endif
 #endif
 
 #if ORDER_MMA
@@ -487,40 +496,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #endif
                 wgmma_wait<0>();
                 wgmma_fence_operands<64>(part);
-                const float wlo = hf ? w10 : w00, whi = hf ? w11 : w01;
-                const int thr = hf ? thr1 : thr0;
-#if ORDER_MMA
-                if (thr >= 128) {
-                    // The whole half in one weight block (always when N % 128 == 0): one scale per
-                    // row, the same product as the per-column choice below.
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float sc = (h ? sa1 : sa0) * wlo;
-#pragma unroll
-                        for (int j = 0; j < 16; ++j)
-#pragma unroll
-                            for (int q = 0; q < 2; ++q) {
-                                const int i = 4 * j + 2 * h + q;
-                                acc[64 * hf + i] = fmaf(part[i], sc, acc[64 * hf + i]);
-                            }
-                    }
-                    continue;
-                }
-#endif
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float s_a = h ? sa1 : sa0;
-                    const float slo = s_a * wlo, shi = s_a * whi;
-#pragma unroll
-                    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-                        for (int q = 0; q < 2; ++q) {
-                            const int i = 4 * j + 2 * h + q;
-                            acc[64 * hf + i] =
-                                fmaf(part[i], (8 * j + 2 * (int)t + q) < thr ? slo : shi, acc[64 * hf + i]);
-                        }
-                    }
-                }
+                promote<16>(acc + 64 * hf, part, 0, sa0, sa1, hf ? w10 : w00, hf ? w11 : w01, hf ? thr1 : thr0, t);
             }
             // Both halves' wgmma retired and the stage's scales read: the slot goes back to the loaders.
             warp_arrive(empty0 + 8 * s, lane);
