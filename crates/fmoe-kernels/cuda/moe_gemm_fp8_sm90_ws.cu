@@ -400,8 +400,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int half0 = n0, half1 = n0 + NB / 2;
 #endif
         // Weight-scale blocks of each half: rows half_h + c lie in block b_h for c < thr_h, b_h + 1
-        // beyond. A half past the expert's rows (columns never stored) is clamped to the last block.
-        // (the stage's w_sc, copied by the loaders).
+        // beyond (their scales: the stage's w_sc, which the loaders clamp to the expert's last block).
         const int thr0 = 128 - (int)(half0 & 127), thr1 = 128 - (int)(half1 & 127);
 #if PIPE_PROMOTE
         // Quarter q4 of a K block: weight-tile rows 64 q4 .. 64 q4 + 63 (half q4 >> 1) into
