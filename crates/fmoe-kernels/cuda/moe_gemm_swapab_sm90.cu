@@ -82,6 +82,12 @@
 #ifndef BN
 #define BN 16    // routes per tile (wgmma N): 16, 32, 64 or 128
 #endif
+// PERSISTENT=1: one block per SM walks the tile space (route blocks fastest, then N tiles, then
+// K splits) with a stride of gridDim.x, its loader running into the next tile while the MMA warps
+// finish this one (the host sets it from BN = 64 on, where a block fills the SM).
+#ifndef PERSISTENT
+#define PERSISTENT 0
+#endif
 #define NACC (BN / 2)  // accumulators per thread and 64-row slab (wgmma m64nBN)
 #define NJ (BN / 8)    // 8-route column groups per slab
 // fp8 partials: one per slab, or at BN = 128 one shared by both slabs in turn (2 x 64 accumulators
@@ -117,6 +123,8 @@ static_assert(!(ELEM_BF16 && BLOCK_SCALED), "block scales are fp8 only");
 static_assert(B_BYTES % 1024 == 0, "swizzle atoms are 1024-byte aligned");
 static_assert(BN == 16 || BN == 32 || BN == 64 || BN == 128, "wgmma N of the route block");
 static_assert(BN * 8 % LOADERS == 0, "whole 16-byte chunks per loader thread");
+static_assert(BN <= LOADERS, "one group scale per loader thread and stage");
+#define COPIES (BN * 8 / LOADERS)  // 16-byte activation copies per loader thread and stage
 
 // The route block's MMA: D[64 weight rows x BN routes] (+)= A * B^T.
 #if BN == 16
@@ -136,13 +144,65 @@ static_assert(BN * 8 % LOADERS == 0, "whole 16-byte chunks per loader thread");
 // The 256 consumer threads only (the loader warp has left): bar.sync with a count.
 __device__ __forceinline__ void mma_threads_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 
+// The activation row a route's column gathers: its token (MODE 1) or its own row (MODE 2), NO_ROW
+// for padding.
+__device__ __forceinline__ unsigned int route_row(unsigned int rt, unsigned int num_routes, unsigned int top_k) {
+#if MODE == 1
+    return rt < num_routes ? rt / top_k : NO_ROW;
+#else
+    (void)top_k;
+    return rt < num_routes ? rt : NO_ROW;
+#endif
+}
+
+// One tile: route block rb (its first slot m0), N tile nt (output columns n0 ..; weight rows of
+// the two TMA boxes half0, half1) and its share of the K steps.
+struct SwapTile {
+    unsigned int rb, m0, nt, n0, half0, half1, kb0, ktiles;
+};
+#if PERSISTENT
+#define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
+#define SWAPAB_TILE_SPACE_ARGS m_blocks, n_tiles, splits,
+#else
+#define SWAPAB_TILE_SPACE
+#define SWAPAB_TILE_SPACE_ARGS
+#endif
+__device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAPAB_TILE_SPACE, unsigned int kblocks,
+                                              unsigned int n_out) {
+    SwapTile tile;
+#if PERSISTENT
+    tile.rb = ti % m_blocks;
+    tile.nt = (ti / m_blocks) % n_tiles;
+    const KSplit split = k_split_of(kblocks, ti / (m_blocks * n_tiles), splits);
+#else
+    (void)ti;
+    tile.rb = blockIdx.x;
+    tile.nt = blockIdx.y;
+    const KSplit split = k_split(kblocks);
+#endif
+    tile.m0 = tile.rb * BN;
+    tile.kb0 = split.first;
+    tile.ktiles = split.count;
+#if MODE == 1
+    tile.n0 = tile.nt * 128;
+    tile.half0 = tile.n0;
+    tile.half1 = n_out + tile.n0;  // the matching up rows
+#else
+    (void)n_out;
+    tile.n0 = tile.nt * ROWS;
+    tile.half0 = tile.n0;
+    tile.half1 = tile.n0 + 128;
+#endif
+    return tile;
+}
+
 #if ELEM_BF16
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
                    const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
                    const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
                    __nv_bfloat16* __restrict__ h_out, float* __restrict__ y32, unsigned int num_routes,
-                   unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+                   unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_BF16();  // first: see common/pdl.cuh
 #endif
@@ -154,7 +214,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
                         unsigned char* __restrict__ q_out, float* __restrict__ s_out, float* __restrict__ y32,
                         unsigned int* __restrict__ error_flag, unsigned int num_routes, unsigned int top_k,
-                        unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map) {
+                        unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_FP8_BLOCK();  // first: see common/pdl.cuh
 #endif
@@ -166,28 +226,33 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   const float* __restrict__ a_scale, const float* __restrict__ w_scale,
                   __nv_bfloat16* __restrict__ h_out, unsigned int* __restrict__ h_amax, float* __restrict__ y32,
                   unsigned int num_routes, unsigned int top_k, unsigned int kd, unsigned int n_out,
-                  const __grid_constant__ TmaDesc b_map) {
+                  const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_FP8();  // first: see common/pdl.cuh
 #endif
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    __shared__ unsigned int route[BN];
-    __shared__ unsigned int a_row[BN];  // gathered activation row of each route column, NO_ROW for padding
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 #if BLOCK_SCALED
     __shared__ float a_sc[STAGES][BN];  // the routes' group scales of the stage's K block
 #endif
 
-    const unsigned int m0 = blockIdx.x * BN;
-    if (m0 >= *total) return;
     const unsigned int kblocks = (kd + BK - 1) / BK;
-    const KSplit split = k_split(kblocks);
-    const unsigned int kb0 = split.first, ktiles = split.count;
-    if (ktiles == 0) return;
-    const unsigned int e = block_experts[blockIdx.x];
+    const unsigned int busy = *total;  // slots of the aligned routes that hold an expert's block
     const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned int g = lane >> 2, t = lane & 3, wg = tid >> 7;
+#if PERSISTENT
+    const unsigned int all_tiles = m_blocks * n_tiles * splits;
+    const unsigned int first_tile = blockIdx.x, tile_step = gridDim.x;
+#else
+    if (blockIdx.x * BN >= busy) return;
+    const unsigned int all_tiles = 1, first_tile = 0, tile_step = 1;
+#endif
+#if MODE == 1
+    const unsigned int w_rows = 2 * n_out;
+#else
+    const unsigned int w_rows = n_out;
+#endif
 
     const unsigned int raw = static_cast<unsigned int>(__cvta_generic_to_shared(smem_raw));
     const unsigned int wring = (raw + 1023) & ~1023u;     // STAGES weight tiles
@@ -195,25 +260,6 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const unsigned int full0 = static_cast<unsigned int>(__cvta_generic_to_shared(full_bar));
     const unsigned int empty0 = static_cast<unsigned int>(__cvta_generic_to_shared(empty_bar));
 
-#if MODE == 1
-    const unsigned int n0 = blockIdx.y * 128;
-    const unsigned int w_rows = 2 * n_out;
-    const unsigned int half0 = n0, half1 = n_out + n0;
-#else
-    const unsigned int n0 = blockIdx.y * ROWS;
-    const unsigned int w_rows = n_out;
-    const unsigned int half0 = n0, half1 = n0 + 128;
-#endif
-
-    if (tid < BN) {
-        const unsigned int rt = sorted_routes[m0 + tid];
-        route[tid] = rt;
-#if MODE == 1
-        a_row[tid] = rt < num_routes ? rt / top_k : NO_ROW;
-#else
-        a_row[tid] = rt < num_routes ? rt : NO_ROW;
-#endif
-    }
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
@@ -222,6 +268,10 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
     }
     __syncthreads();
+
+    // Both roles walk the same tiles and skip the same ones, so their K-step counts (`it`, the
+    // ring's slot and phase) agree across tiles.
+    unsigned int it = 0;
 
 #if LOADER_WARPS == 1
     if (warp == 8) {
@@ -233,36 +283,44 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #if SETMAXNREG
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
 #endif
-        const int row0 = (int)(e * w_rows);
-        for (unsigned int kt = 0; kt < ktiles; ++kt) {
-            const unsigned int s = kt % STAGES, full_s = full0 + 8 * s;
-            // Slot s last held tile kt - STAGES: wait until the MMA warps released it.
-            if (kt >= STAGES) mbar_wait(empty0 + 8 * s, ((kt / STAGES) - 1) & 1);
-            const unsigned int k0 = (kb0 + kt) * BK, sb = bring + s * B_BYTES;
-            if (lt == 0) {
-                mbar_arrive_expect_tx(full_s, W_BYTES);
-                const unsigned int sw = wring + s * W_BYTES;
-                tma_load_2d(sw, &b_map, (int)k0, row0 + (int)half0, full_s);
-                tma_load_2d(sw + HALF_BYTES, &b_map, (int)k0, row0 + (int)half1, full_s);
-            }
+        for (unsigned int ti = first_tile; ti < all_tiles; ti += tile_step) {
+            const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
+            if (tile.m0 >= busy || tile.ktiles == 0) continue;
+            const unsigned int e = block_experts[tile.rb];
+            const int row0 = (int)(e * w_rows);
+            // The activation row each of this thread's 16-byte copies gathers (held for the tile).
+            unsigned int rows[COPIES];
 #pragma unroll
-            for (int i = 0; i < BN * 8 / LOADERS; ++i) {
-                const unsigned int c = lt + i * LOADERS, r = c >> 3, ch = c & 7, col = k0 + ch * (16 / sizeof(elem_t));
-                const unsigned int row = a_row[r];
-                const bool ok = row != NO_ROW && col < kd;
-                cp_async16(sb + swz(r, ch), a + (ok ? (unsigned long long)row * kd + col : 0), ok);
-            }
+            for (int i = 0; i < COPIES; ++i) rows[i] = route_row(sorted_routes[tile.m0 + ((lt + i * LOADERS) >> 3)], num_routes, top_k);
 #if BLOCK_SCALED
-#pragma unroll
-            for (unsigned int c = lt; c < BN; c += LOADERS) {
-                const unsigned int row = a_row[c];
-                const bool ok = row != NO_ROW;
-                cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][c])),
-                          a_scale + (ok ? (unsigned long long)row * kblocks + kb0 + kt : 0), ok);
-                if (BN <= LOADERS) break;
-            }
+            const unsigned int srow = lt < BN ? route_row(sorted_routes[tile.m0 + lt], num_routes, top_k) : NO_ROW;
 #endif
-            cp_async_mbar_arrive(full_s);
+            for (unsigned int kt = 0; kt < tile.ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES, full_s = full0 + 8 * s;
+                // Slot s last held step it - STAGES: wait until the MMA warps released it.
+                if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                const unsigned int k0 = (tile.kb0 + kt) * BK, sb = bring + s * B_BYTES;
+                if (lt == 0) {
+                    mbar_arrive_expect_tx(full_s, W_BYTES);
+                    const unsigned int sw = wring + s * W_BYTES;
+                    tma_load_2d(sw, &b_map, (int)k0, row0 + (int)tile.half0, full_s);
+                    tma_load_2d(sw + HALF_BYTES, &b_map, (int)k0, row0 + (int)tile.half1, full_s);
+                }
+#pragma unroll
+                for (int i = 0; i < COPIES; ++i) {
+                    const unsigned int c = lt + i * LOADERS, r = c >> 3, ch = c & 7, col = k0 + ch * (16 / sizeof(elem_t));
+                    const bool ok = rows[i] != NO_ROW && col < kd;
+                    cp_async16(sb + swz(r, ch), a + (ok ? (unsigned long long)rows[i] * kd + col : 0), ok);
+                }
+#if BLOCK_SCALED
+                if (lt < BN) {
+                    const bool ok = srow != NO_ROW;
+                    cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][lt])),
+                              a_scale + (ok ? (unsigned long long)srow * kblocks + tile.kb0 + kt : 0), ok);
+                }
+#endif
+                cp_async_mbar_arrive(full_s);
+            }
         }
         return;
     }
@@ -272,253 +330,263 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 #endif
     const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
+    for (unsigned int ti = first_tile; ti < all_tiles; ti += tile_step) {
+        const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
+        if (tile.m0 >= busy || tile.ktiles == 0) continue;
+        const unsigned int e = block_experts[tile.rb];
+        const unsigned int m0 = tile.m0, n0 = tile.n0, half0 = tile.half0, half1 = tile.half1;
 #if ELEM_BF16
-    float acc[2][NACC];
+        float acc[2][NACC];
 #else
-    float acc[2][NACC], part[PARTS][NACC];
+        float acc[2][NACC], part[PARTS][NACC];
 #endif
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int v = 0; v < NACC; ++v) acc[i][v] = 0.0f;
-    }
-
-#if BLOCK_SCALED
-    // Weight-scale rows: expert row (i ? half1 : half0) + 64 wg + rr + 8h lies in block row / 128
-    // (clamped: rows past the expert are never stored).
-    const unsigned int wrb = (w_rows + 127) / 128;
-    const float* wse = w_scale + (unsigned long long)e * wrb * kblocks;
-    const float* wsp[2][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned int row = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
-            wsp[i][h] = wse + (unsigned long long)min(row >> 7, wrb - 1) * kblocks;
+            for (int v = 0; v < NACC; ++v) acc[i][v] = 0.0f;
         }
-    }
+
+#if BLOCK_SCALED
+        // Weight-scale rows: expert row (i ? half1 : half0) + 64 wg + rr + 8h lies in block row / 128
+        // (clamped: rows past the expert are never stored).
+        const unsigned int wrb = (w_rows + 127) / 128;
+        const float* wse = w_scale + (unsigned long long)e * wrb * kblocks;
+        const float* wsp[2][2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned int row = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
+                wsp[i][h] = wse + (unsigned long long)min(row >> 7, wrb - 1) * kblocks;
+            }
+        }
 #endif
 
-    for (unsigned int kt = 0; kt < ktiles; ++kt) {
-        const unsigned int s = kt % STAGES;
+        for (unsigned int kt = 0; kt < tile.ktiles; ++kt, ++it) {
+            const unsigned int s = it % STAGES;
 #if BLOCK_SCALED
-        const unsigned int kb = kb0 + kt;
-        // Issued before the wait, so their latency hides behind it.
-        const float w00 = wsp[0][0][kb], w01 = wsp[0][1][kb], w10 = wsp[1][0][kb], w11 = wsp[1][1][kb];
+            const unsigned int kb = tile.kb0 + kt;
+            // Issued before the wait, so their latency hides behind it.
+            const float w00 = wsp[0][0][kb], w01 = wsp[0][1][kb], w10 = wsp[1][0][kb], w11 = wsp[1][1][kb];
 #endif
-        mbar_wait(full0 + 8 * s, (kt / STAGES) & 1);
-        fence_proxy_async_shared();  // the loader's cp.async writes, for the tensor cores
-        const unsigned int sw = wring + s * W_BYTES;
-        const unsigned long long db = smem_desc(bring + s * B_BYTES);
-        const unsigned long long da0 = smem_desc(sw + wg * SLAB_BYTES);
-        const unsigned long long da1 = smem_desc(sw + (2 + wg) * SLAB_BYTES);
-        wgmma_fence();
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            fence_proxy_async_shared();  // the loader's cp.async writes, for the tensor cores
+            const unsigned int sw = wring + s * W_BYTES;
+            const unsigned long long db = smem_desc(bring + s * B_BYTES);
+            const unsigned long long da0 = smem_desc(sw + wg * SLAB_BYTES);
+            const unsigned long long da1 = smem_desc(sw + (2 + wg) * SLAB_BYTES);
+            wgmma_fence();
 #if ELEM_BF16
-        // 16 bf16 along K = 32 bytes = 2 descriptor units.
+            // 16 bf16 along K = 32 bytes = 2 descriptor units.
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[0], da0 + 2 * ks, db + 2 * ks, 1);
+            for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[0], da0 + 2 * ks, db + 2 * ks, 1);
 #pragma unroll
-        for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[1], da1 + 2 * ks, db + 2 * ks, 1);
-        wgmma_commit();
+            for (int ks = 0; ks < BK / 16; ++ks) WGMMA_BF16(acc[1], da1 + 2 * ks, db + 2 * ks, 1);
+            wgmma_commit();
 #if BN >= 64
-        // The previous stage's group retired: its slot goes back to the loader while this one's
-        // MMAs run (the accumulators chain across groups; read only after the loop's wait).
-        wgmma_wait<1>();
-        if (kt > 0) warp_arrive(empty0 + 8 * ((kt - 1) % STAGES), lane);
+            // The previous stage's group retired: its slot goes back to the loader while this one's
+            // MMAs run (the accumulators chain across groups; read only after the loop's wait).
+            wgmma_wait<1>();
+            if (kt > 0) warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
 #else
-        wgmma_wait<0>();
-        wgmma_fence_operands<NACC>(acc[0]);
-        wgmma_fence_operands<NACC>(acc[1]);
-        // The stage's wgmma retired: the slot goes back to the loader.
-        warp_arrive(empty0 + 8 * s, lane);
+            wgmma_wait<0>();
+            wgmma_fence_operands<NACC>(acc[0]);
+            wgmma_fence_operands<NACC>(acc[1]);
+            // The stage's wgmma retired: the slot goes back to the loader.
+            warp_arrive(empty0 + 8 * s, lane);
 #endif
 #else
 #if BLOCK_SCALED && PARTS == 2
-        float sa[NJ][2];  // [j][q]: the group scale of route column 8j + 2t + q
+            float sa[NJ][2];  // [j][q]: the group scale of route column 8j + 2t + q
 #endif
-        // Promotes part[p] (slab i's sums of this K step) into acc[i].
-        auto promote = [&](const int i, const int p) {
+            // Promotes part[p] (slab i's sums of this K step) into acc[i].
+            auto promote = [&](const int i, const int p) {
+#pragma unroll
+                for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                        for (int q = 0; q < 2; ++q) {
+                            const int v = 4 * j + 2 * h + q;
+#if BLOCK_SCALED
+                            const float ws = i ? (h ? w11 : w10) : (h ? w01 : w00);
+#if PARTS == 2
+                            acc[i][v] = fmaf(part[p][v], sa[j][q] * ws, acc[i][v]);
+#else
+                            // Read here, not held: 32 registers the BN = 128 promotion does not have
+                            // (the slot stays this stage's until both slabs are promoted).
+                            acc[i][v] = fmaf(part[p][v], a_sc[s][8 * j + 2 * t + q] * ws, acc[i][v]);
+#endif
+#else
+                            acc[i][v] += part[p][v];
+#endif
+                        }
+                    }
+                }
+            };
+            // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
+#pragma unroll
+            for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da0 + 2 * ks, db + 2 * ks, ks > 0);
+#if PARTS == 2
+#pragma unroll
+            for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[1], da1 + 2 * ks, db + 2 * ks, ks > 0);
+#endif
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operands<NACC>(part[0]);
+#if PARTS == 2
+            wgmma_fence_operands<NACC>(part[1]);
+#endif
+#if BLOCK_SCALED && PARTS == 2
 #pragma unroll
             for (int j = 0; j < NJ; ++j) {
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) {
-                        const int v = 4 * j + 2 * h + q;
-#if BLOCK_SCALED
-                        const float ws = i ? (h ? w11 : w10) : (h ? w01 : w00);
-#if PARTS == 2
-                        acc[i][v] = fmaf(part[p][v], sa[j][q] * ws, acc[i][v]);
-#else
-                        // Read here, not held: 32 registers the BN = 128 promotion does not have
-                        // (the slot stays this stage's until both slabs are promoted).
-                        acc[i][v] = fmaf(part[p][v], a_sc[s][8 * j + 2 * t + q] * ws, acc[i][v]);
-#endif
-#else
-                        acc[i][v] += part[p][v];
-#endif
-                    }
-                }
+                for (int q = 0; q < 2; ++q) sa[j][q] = a_sc[s][8 * j + 2 * t + q];
             }
-        };
-        // 32 fp8 elements along K = 32 bytes = 2 descriptor units; the first step overwrites.
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da0 + 2 * ks, db + 2 * ks, ks > 0);
-#if PARTS == 2
-#pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[1], da1 + 2 * ks, db + 2 * ks, ks > 0);
-#endif
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands<NACC>(part[0]);
-#if PARTS == 2
-        wgmma_fence_operands<NACC>(part[1]);
-#endif
-#if BLOCK_SCALED && PARTS == 2
-#pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-            for (int q = 0; q < 2; ++q) sa[j][q] = a_sc[s][8 * j + 2 * t + q];
-        }
 #endif
 #if PARTS == 2
-        // The stage's wgmma retired and its scales read: the slot goes back to the loader.
-        warp_arrive(empty0 + 8 * s, lane);
-        promote(0, 0);
-        promote(1, 1);
+            // The stage's wgmma retired and its scales read: the slot goes back to the loader.
+            warp_arrive(empty0 + 8 * s, lane);
+            promote(0, 0);
+            promote(1, 1);
 #else
-        // One partial: slab 0's sums are promoted before slab 1 reuses it.
-        promote(0, 0);
-        wgmma_fence();
+            // One partial: slab 0's sums are promoted before slab 1 reuses it.
+            promote(0, 0);
+            wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da1 + 2 * ks, db + 2 * ks, ks > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_operands<NACC>(part[0]);
-        promote(1, 0);
-        // Both slabs promoted, the stage's group scales read: the slot goes back to the loader.
-        warp_arrive(empty0 + 8 * s, lane);
+            for (int ks = 0; ks < BK / 32; ++ks) WGMMA_E4M3(part[0], da1 + 2 * ks, db + 2 * ks, ks > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_operands<NACC>(part[0]);
+            promote(1, 0);
+            // Both slabs promoted, the stage's group scales read: the slot goes back to the loader.
+            warp_arrive(empty0 + 8 * s, lane);
 #endif
 #endif  // ELEM_BF16
-    }
+        }
 #if ELEM_BF16 && BN >= 64
-    // The last stage's group (its slot is not needed again: the loader is done).
-    wgmma_wait<0>();
-    wgmma_fence_operands<NACC>(acc[0]);
-    wgmma_fence_operands<NACC>(acc[1]);
+        // The tile's last group, and its slot back to the loader (the next tile's steps reuse it).
+        wgmma_wait<0>();
+        wgmma_fence_operands<NACC>(acc[0]);
+        wgmma_fence_operands<NACC>(acc[1]);
+        warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
 #endif
 
 #if MODE == 1 && BLOCK_SCALED
-    // h = silu(gate) * up at output column n0 + 64 wg + rr + 8h of route column 8j + 2t + q; then the
-    // 1 x 128 group quantization of each route's 128 columns: max over h, the 8 row lanes g, the 8
-    // MMA warps.
-    __shared__ unsigned int red[8][BN];
-    float hv[NACC];
-    unsigned int m[NJ][2] = {};
+        // h = silu(gate) * up at output column n0 + 64 wg + rr + 8h of route column 8j + 2t + q; then the
+        // 1 x 128 group quantization of each route's 128 columns: max over h, the 8 row lanes g, the 8
+        // MMA warps.
+        __shared__ unsigned int red[8][BN];
+#if PERSISTENT
+        mma_threads_sync();  // every MMA warp has read the previous tile's red
+#endif
+        float hv[NACC];
+        unsigned int m[NJ][2] = {};
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const unsigned int n = n0 + 64 * wg + rr + 8 * h;
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                const int v = 4 * j + 2 * h + q;
-                hv[v] = silu(acc[0][v]) * acc[1][v];
-                if (n < n_out) m[j][q] = max(m[j][q], __float_as_uint(hv[v]) & 0x7FFFFFFFu);
-            }
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) m[j][q] = max(m[j][q], __shfl_xor_sync(0xffffffffu, m[j][q], o));
-            if (g == 0) red[warp][8 * j + 2 * t + q] = m[j][q];
-        }
-    }
-    mma_threads_sync();
-    const unsigned int groups = (n_out + 127) / 128;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const unsigned int col = 8 * j + 2 * t + q, rt = route[col];
-            if (rt >= num_routes) continue;
-            unsigned int ab = 0;
-#pragma unroll
-            for (int wi = 0; wi < 8; ++wi) ab = max(ab, red[wi][col]);
-            const float s = scale_from_amax(__uint_as_float(ab));
-            unsigned char* qrow = q_out + (unsigned long long)rt * n_out;
+        for (int j = 0; j < NJ; ++j) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const unsigned int n = n0 + 64 * wg + rr + 8 * h;
-                if (n < n_out) qrow[n] = (unsigned char)(e4m3x2(__fdiv_rn(hv[4 * j + 2 * h + q], s), 0.0f) & 0xFFu);
-            }
-            if (warp == 0 && g == 0) {
-                // One thread per route column: warp 0's lanes 0..3 (t) over j and q.
-                s_out[(unsigned long long)rt * groups + blockIdx.y] = s;
-                if (ab >= 0x7F800000u) atomicExch(error_flag, 1u);
-            }
-        }
-    }
-#elif MODE == 1
-#if ELEM_BF16
-    const float sc = 1.0f;  // bf16: h = silu(gate) * up of the plain dot products
-#else
-    // Per-tensor scales, once per dot product.
-    const float sc = a_scale[0] * w_scale[e];
-    unsigned int hmax = 0;  // bits of max |h|
-#endif
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const unsigned int rt = route[8 * j + 2 * t + q];
-            if (rt >= num_routes) continue;
-            __nv_bfloat16* hrow = h_out + (unsigned long long)rt * n_out;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned int n = n0 + 64 * wg + rr + 8 * h;
-                const int v = 4 * j + 2 * h + q;
-                if (n >= n_out) continue;
-                const __nv_bfloat16 hb = __float2bfloat16_rn(silu(acc[0][v] * sc) * (acc[1][v] * sc));
-                hrow[n] = hb;
-#if !ELEM_BF16
-                hmax = max(hmax, __float_as_uint(fabsf(__bfloat162float(hb))));
-#endif
-            }
-        }
-    }
-#if !ELEM_BF16
-    if (h_amax != nullptr) {
-        hmax = warp_max(hmax);
-        if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
-    }
-#endif
-#else
-#if BLOCK_SCALED || ELEM_BF16
-    const float sc = 1.0f;  // fp8 block: the scales went in with the promotion; bf16: none
-#else
-    const float sc = a_scale[0] * w_scale[e];
-#endif
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-            const unsigned int rt = route[8 * j + 2 * t + q];
-            if (rt >= num_routes) continue;
-            const float wt = topk_weights[rt];
-            float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const unsigned int c = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
-                    if (c < n_out) atomicAdd(yrow + c, wt * (acc[i][4 * j + 2 * h + q] * sc));
+                for (int q = 0; q < 2; ++q) {
+                    const int v = 4 * j + 2 * h + q;
+                    hv[v] = silu(acc[0][v]) * acc[1][v];
+                    if (n < n_out) m[j][q] = max(m[j][q], __float_as_uint(hv[v]) & 0x7FFFFFFFu);
                 }
             }
         }
-    }
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+#pragma unroll
+                for (int o = 4; o < 32; o <<= 1) m[j][q] = max(m[j][q], __shfl_xor_sync(0xffffffffu, m[j][q], o));
+                if (g == 0) red[warp][8 * j + 2 * t + q] = m[j][q];
+            }
+        }
+        mma_threads_sync();
+        const unsigned int groups = (n_out + 127) / 128;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const unsigned int col = 8 * j + 2 * t + q, rt = sorted_routes[m0 + col];
+                if (rt >= num_routes) continue;
+                unsigned int ab = 0;
+#pragma unroll
+                for (int wi = 0; wi < 8; ++wi) ab = max(ab, red[wi][col]);
+                const float s = scale_from_amax(__uint_as_float(ab));
+                unsigned char* qrow = q_out + (unsigned long long)rt * n_out;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned int n = n0 + 64 * wg + rr + 8 * h;
+                    if (n < n_out) qrow[n] = (unsigned char)(e4m3x2(__fdiv_rn(hv[4 * j + 2 * h + q], s), 0.0f) & 0xFFu);
+                }
+                if (warp == 0 && g == 0) {
+                    // One thread per route column: warp 0's lanes 0..3 (t) over j and q.
+                    s_out[(unsigned long long)rt * groups + tile.nt] = s;
+                    if (ab >= 0x7F800000u) atomicExch(error_flag, 1u);
+                }
+            }
+        }
+#elif MODE == 1
+#if ELEM_BF16
+        const float sc = 1.0f;  // bf16: h = silu(gate) * up of the plain dot products
+#else
+        // Per-tensor scales, once per dot product.
+        const float sc = a_scale[0] * w_scale[e];
+        unsigned int hmax = 0;  // bits of max |h|
 #endif
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const unsigned int rt = sorted_routes[m0 + 8 * j + 2 * t + q];
+                if (rt >= num_routes) continue;
+                __nv_bfloat16* hrow = h_out + (unsigned long long)rt * n_out;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned int n = n0 + 64 * wg + rr + 8 * h;
+                    const int v = 4 * j + 2 * h + q;
+                    if (n >= n_out) continue;
+                    const __nv_bfloat16 hb = __float2bfloat16_rn(silu(acc[0][v] * sc) * (acc[1][v] * sc));
+                    hrow[n] = hb;
+#if !ELEM_BF16
+                    hmax = max(hmax, __float_as_uint(fabsf(__bfloat162float(hb))));
+#endif
+                }
+            }
+        }
+#if !ELEM_BF16
+        if (h_amax != nullptr) {
+            hmax = warp_max(hmax);
+            if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
+        }
+#endif
+#else
+#if BLOCK_SCALED || ELEM_BF16
+        const float sc = 1.0f;  // fp8 block: the scales went in with the promotion; bf16: none
+#else
+        const float sc = a_scale[0] * w_scale[e];
+#endif
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const unsigned int rt = sorted_routes[m0 + 8 * j + 2 * t + q];
+                if (rt >= num_routes) continue;
+                const float wt = topk_weights[rt];
+                float* yrow = y32 + (unsigned long long)(rt / top_k) * n_out;
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const unsigned int c = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
+                        if (c < n_out) atomicAdd(yrow + c, wt * (acc[i][4 * j + 2 * h + q] * sc));
+                    }
+                }
+            }
+        }
+#endif
+    }  // tiles
 }

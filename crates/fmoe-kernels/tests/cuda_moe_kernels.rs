@@ -502,6 +502,107 @@ fn m_range_for_route_block(
     Some((*ms.first()?, *ms.last()?))
 }
 
+/// One layer's expert weights (`quant`'s weight operands) on the CPU and on the GPU: `e` experts,
+/// hidden size `k`, intermediate size `n`, per-tensor weight scales that differ per expert.
+struct LayerWeights {
+    quant: ActQuant,
+    e: usize,
+    k: usize,
+    cpu: (WeightOperand, WeightOperand),
+    gpu: (WeightOperand, WeightOperand),
+}
+
+impl LayerWeights {
+    fn random(rng: &mut ChaCha8Rng, quant: ActQuant, e: usize, k: usize, n: usize) -> Self {
+        let cpu = Device::Cpu;
+        let w13f = randn(rng, e * 2 * n * k, 1.0 / (k as f32).sqrt());
+        let w2f = randn(rng, e * k * n, 1.0 / (n as f32).sqrt());
+        let w13 = Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap();
+        let w2 = Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap();
+        let (w13q, w2q) = match quant {
+            ActQuant::None => (WeightOperand::Plain(w13), WeightOperand::Plain(w2)),
+            ActQuant::Fp8PerTensor => {
+                let pt = |w: &Tensor| {
+                    let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
+                    let s = s.to_f32_vec().unwrap()[0];
+                    let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / 4.0)).collect();
+                    WeightOperand::Fp8PerTensor {
+                        q,
+                        scales: Tensor::from_vec(scales, [e], &cpu).unwrap(),
+                    }
+                };
+                (pt(&w13), pt(&w2))
+            }
+            _ => {
+                let bl = |w: &Tensor| {
+                    let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
+                    WeightOperand::Fp8Block { q, scale_inv }
+                };
+                (bl(&w13), bl(&w2))
+            }
+        };
+        let gpu = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
+        LayerWeights {
+            quant,
+            e,
+            k,
+            cpu: (w13q, w2q),
+            gpu,
+        }
+    }
+
+    /// GEMM1 (SiLU ⊙ mul, and the quantization the method needs) then GEMM2 (weighted top-k sum)
+    /// over random tokens routed to `ids` ([M · top_k] experts), on the GPU (whose rule must pick
+    /// `block_m`) against the CPU twin on the same operands; y is checked finite (outputs are
+    /// poisoned) and within the method's tolerance. Returns the relative error.
+    fn check_layer(
+        &self,
+        rng: &mut ChaCha8Rng,
+        ids: Vec<u32>,
+        top_k: usize,
+        block_m: usize,
+        what: &str,
+    ) -> f64 {
+        let (cpu, quant, e, k) = (Device::Cpu, self.quant, self.e, self.k);
+        let m = ids.len() / top_k;
+        let got_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &self.gpu.0).unwrap();
+        assert_eq!(got_m, block_m, "{what}: the layer's block_m");
+        let x = Tensor::from_f32(&randn(rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
+        let ids = Tensor::from_vec(ids, [m, top_k], &cpu).unwrap();
+        let tw: Vec<f32> = (0..m * top_k).map(|_| rng.random_range(0.1..1.0)).collect();
+        let tw = Tensor::from_vec(tw, [m, top_k], &cpu).unwrap();
+        let a = ActOperand::quantize(&x, quant).unwrap();
+        let routes = align_routes(&ids, e, 16).unwrap();
+        let (h, _) =
+            moe_gemm::gemm1_silu_mul_quant(&a, &routes, top_k, &self.cpu.0, quant).unwrap();
+        let want = moe_gemm::gemm2_weighted_sum(&h, &routes, &tw, &self.cpu.1)
+            .unwrap()
+            .to_f32_vec()
+            .unwrap();
+        let ag = a.to_device(CUDA).unwrap();
+        let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
+        let routes = align_routes(&idsg, e, block_m).unwrap();
+        let (h, check) =
+            moe_gemm::gemm1_silu_mul_quant(&ag, &routes, top_k, &self.gpu.0, quant).unwrap();
+        let y = moe_gemm::gemm2_weighted_sum(&h, &routes, &twg, &self.gpu.1).unwrap();
+        check.check().unwrap();
+        assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
+        let got = y.to_f32_vec().unwrap();
+        assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
+        let err = rel(&got, &want);
+        println!("{what}: rel_err vs the CPU twin {err:.2e}");
+        // bf16: exact products summed in another order, h rounded to bf16 (4e-3, as the bf16
+        // test); fp8 as the fp8 test (per-tensor requantizes the bf16 h).
+        let tol = match quant {
+            ActQuant::None => 4e-3,
+            ActQuant::Fp8Group => 1e-2,
+            _ => 3e-2,
+        };
+        assert!(err <= tol, "{what}: {err:.3e}");
+        err
+    }
+}
+
 /// The swap-AB GEMMs at every route block the rule picks (16 and 32 routes per block = wgmma N;
 /// block-scaled fp8 also 64 up to [`moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per
 /// expert; 64 and 128 everywhere when the dev knobs force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
@@ -528,33 +629,7 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
         (ActQuant::Fp8Group, 272, 1040),
     ] {
         for e in [8usize, 1] {
-            let w13f = randn(&mut rng, e * 2 * n * k, 1.0 / (k as f32).sqrt());
-            let w2f = randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt());
-            let w13 = Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap();
-            let w2 = Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap();
-            let (w13q, w2q) = match quant {
-                ActQuant::None => (WeightOperand::Plain(w13), WeightOperand::Plain(w2)),
-                ActQuant::Fp8PerTensor => {
-                    let pt = |w: &Tensor| {
-                        let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
-                        let s = s.to_f32_vec().unwrap()[0];
-                        let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / 4.0)).collect();
-                        WeightOperand::Fp8PerTensor {
-                            q,
-                            scales: Tensor::from_vec(scales, [e], &cpu).unwrap(),
-                        }
-                    };
-                    (pt(&w13), pt(&w2))
-                }
-                _ => {
-                    let bl = |w: &Tensor| {
-                        let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
-                        WeightOperand::Fp8Block { q, scale_inv }
-                    };
-                    (bl(&w13), bl(&w2))
-                }
-            };
-            let (w13g, w2g) = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
+            let w = LayerWeights::random(&mut rng, quant, e, k, n);
             for bn in moe_gemm::SWAPAB_ROUTE_BLOCKS {
                 let Some((lo, hi)) = m_range_for_route_block(quant, bn, top_k, e, 400) else {
                     continue;
@@ -579,53 +654,12 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
                 }
                 for m in BTreeSet::from([lo, hi]) {
                     let what = format!("{quant:?} E={e} M={m} route block {bn}");
-                    let block_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &w13g).unwrap();
-                    assert_eq!(block_m, bn, "{what}: the layer's block_m");
-                    let x =
-                        Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu)
-                            .unwrap();
                     // E = 8: experts 1, 4 and 6 only (distinct per token where top_k allows).
-                    let routed = [1u32, 4, 6];
+                    let routed: &[u32] = if e == 1 { &[0] } else { &[1, 4, 6] };
                     let ids: Vec<u32> = (0..m * top_k)
-                        .map(|_| {
-                            if e == 1 {
-                                0
-                            } else {
-                                routed[rng.random_range(0..routed.len())]
-                            }
-                        })
+                        .map(|_| routed[rng.random_range(0..routed.len())])
                         .collect();
-                    let ids = Tensor::from_vec(ids, [m, top_k], &cpu).unwrap();
-                    let tw: Vec<f32> = (0..m * top_k).map(|_| rng.random_range(0.1..1.0)).collect();
-                    let tw = Tensor::from_vec(tw, [m, top_k], &cpu).unwrap();
-                    let a = ActOperand::quantize(&x, quant).unwrap();
-                    let routes = align_routes(&ids, e, 16).unwrap();
-                    let (h, _) =
-                        moe_gemm::gemm1_silu_mul_quant(&a, &routes, top_k, &w13q, quant).unwrap();
-                    let want = moe_gemm::gemm2_weighted_sum(&h, &routes, &tw, &w2q)
-                        .unwrap()
-                        .to_f32_vec()
-                        .unwrap();
-                    let ag = a.to_device(CUDA).unwrap();
-                    let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
-                    let routes = align_routes(&idsg, e, block_m).unwrap();
-                    let (h, check) =
-                        moe_gemm::gemm1_silu_mul_quant(&ag, &routes, top_k, &w13g, quant).unwrap();
-                    let y = moe_gemm::gemm2_weighted_sum(&h, &routes, &twg, &w2g).unwrap();
-                    check.check().unwrap();
-                    assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
-                    let got = y.to_f32_vec().unwrap();
-                    assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
-                    let err = rel(&got, &want);
-                    println!("{what}: rel_err vs the CPU twin {err:.2e}");
-                    // bf16: exact products summed in another order, h rounded to bf16 (4e-3, as
-                    // the bf16 test); fp8 as the fp8 test (per-tensor requantizes the bf16 h).
-                    let tol = match quant {
-                        ActQuant::None => 4e-3,
-                        ActQuant::Fp8Group => 1e-2,
-                        _ => 3e-2,
-                    };
-                    assert!(err <= tol, "{what}: {err:.3e}");
+                    w.check_layer(&mut rng, ids, top_k, bn, &what);
                     covered.insert((format!("{quant:?}"), bn));
                 }
             }
@@ -656,6 +690,49 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
                 "{q}: route block {bn} not run"
             );
         }
+    }
+}
+
+/// The persistent swap-AB launches (64- and 128-route blocks: one block per SM walks the tiles)
+/// where each block walks several tiles of different experts, N tiles and (GEMM2) K splits, so
+/// the ring's slots and phases carry across tiles: E = 8 all routed, 40 routes per expert on
+/// average (block-scaled fp8 runs 64-route blocks there by the rule; bf16 and per-tensor only when
+/// the device script forces a route block with `FMOE_DEV_SWAPAB_BN`, else their tile kernels run
+/// and are checked the same way), K = 1040 and N = 4000 (GEMM1 about 13 route blocks × 32 N
+/// tiles, over 400 tiles on 132 SMs; GEMM2 13 × 5 tiles split over K). Against the CPU twin.
+#[test]
+fn persistent_swap_ab_blocks_walk_many_tiles() {
+    let Some(b) = test_backend_or_skip() else {
+        return;
+    };
+    if b.compute_capability() != (9, 0) {
+        println!("skipping: swap-AB GEMMs are sm_90a only");
+        return;
+    }
+    let (e, k, n, top_k, m) = (8usize, 1040usize, 4000usize, 2usize, 160usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(0x9e75);
+    for quant in [ActQuant::None, ActQuant::Fp8PerTensor, ActQuant::Fp8Group] {
+        let w = LayerWeights::random(&mut rng, quant, e, k, n);
+        let block_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &w.gpu.0).unwrap();
+        if quant == ActQuant::Fp8Group {
+            assert_eq!(
+                block_m, 64,
+                "block-scaled at 40 routes per expert: 64-route blocks"
+            );
+        }
+        let what = format!(
+            "{quant:?} E={e} M={m} block_m {block_m} (persistent: {})",
+            moe_gemm::swapab_persistent(block_m)
+        );
+        // Two distinct experts per token, uniformly.
+        let ids: Vec<u32> = (0..m)
+            .flat_map(|_| {
+                let first = rng.random_range(0..e as u32);
+                let second = (first + rng.random_range(1..e as u32)) % e as u32;
+                [first, second]
+            })
+            .collect();
+        w.check_layer(&mut rng, ids, top_k, block_m, &what);
     }
 }
 

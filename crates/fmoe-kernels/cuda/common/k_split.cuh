@@ -9,10 +9,12 @@
 struct KSplit {
     unsigned int first, count;
 };
-__device__ __forceinline__ KSplit k_split(unsigned int all_tiles) {
-    const unsigned int per_split = (all_tiles + gridDim.z - 1) / gridDim.z;
-    const unsigned int first = blockIdx.z * per_split;
+// Split `split` of `splits` (persistent kernels, which walk their splits in a loop).
+__device__ __forceinline__ KSplit k_split_of(unsigned int all_tiles, unsigned int split, unsigned int splits) {
+    const unsigned int per_split = (all_tiles + splits - 1) / splits;
+    const unsigned int first = split * per_split;
     return {first, min(per_split, all_tiles - min(all_tiles, first))};
 }
+__device__ __forceinline__ KSplit k_split(unsigned int all_tiles) { return k_split_of(all_tiles, blockIdx.z, gridDim.z); }
 
 #endif  // FMOE_COMMON_K_SPLIT_CUH

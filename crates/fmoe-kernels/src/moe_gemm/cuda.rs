@@ -603,6 +603,10 @@ impl GemmConfig {
                 d.push(("ELEM_BF16", "1".to_string()));
                 d.push(("STAGES", self.stages.to_string()));
                 d.push(("BN", self.bm.to_string()));
+                if self.bm >= 64 {
+                    let persistent = super::cuda_fp8::swapab_persistent(self.bm);
+                    d.push(("PERSISTENT", u32::from(persistent).to_string()));
+                }
             }
         }
         d
@@ -1105,6 +1109,15 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
                 1,
             )
         }
+        // The tile space walked by one block per SM (route blocks fastest, as below).
+        GemmKind::SwapAb if super::cuda_fp8::swapab_persistent(cfg.bm) => {
+            let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
+            (
+                u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
+                1,
+                1,
+            )
+        }
         // Route blocks fastest: an expert's blocks run together and share its weight tiles.
         GemmKind::SwapAb => (grid.1, grid.0, grid.2),
         _ => grid,
@@ -1153,6 +1166,9 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
     }
+    if cfg.kind == GemmKind::SwapAb && super::cuda_fp8::swapab_persistent(cfg.bm) {
+        b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
+    }
     let counter;
     if let GemmKind::Sm90Pipe { dynamic, .. } = cfg.kind {
         b.arg(&n_tiles32).arg(&m_blocks32).arg(&splits32);
@@ -1181,8 +1197,10 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // four more arguments, pushed above: the weights' tensor map, the tile space
     // (three u32; its grid covers it, or walks it when persistent) and the tile counter, a zeroed
     // u32 the dynamic schedule increments once per claimed tile (null otherwise, never read).
-    // `SwapAb` takes the tensor map only (boxes of 128 rows); its grid puts the route blocks (at
-    // most the slots' blocks) in x, the N tiles in y and the K splits in z.
+    // `SwapAb` takes the tensor map (boxes of 128 rows); its grid puts the route blocks (at most
+    // the slots' blocks) in x, the N tiles in y and the K splits in z, or, persistent (`-D
+    // PERSISTENT=1`), walks that tile space with at most one block per SM, whose three u32
+    // (route blocks, N tiles, splits) follow the map.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
 }

@@ -206,7 +206,7 @@ pub(super) fn launch(
         ));
     }
     let GemmGrid {
-        mut grid,
+        grid,
         num_routes,
         top_k,
         kd,
@@ -222,10 +222,6 @@ pub(super) fn launch(
         n_tiles,
         splits,
     )?;
-    if cfg.swap_ab {
-        // Route blocks fastest: an expert's blocks run together and share its weight tiles.
-        grid = (grid.1, grid.0, grid.2);
-    }
     let (family, source, entry) = cfg.source();
     let mut defines = cfg.defines(g.mode);
     if g.route_rows {
@@ -234,9 +230,11 @@ pub(super) fn launch(
     let (f, pdl) = crate::launch::load_chain(backend, family, source, entry, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm fp8: shared memory opt-in")?;
-    // The tile space; the warp-specialized kernels walk it with one persistent block per SM.
+    // The tile space; the warp-specialized kernels and the persistent swap-AB ones walk it with
+    // one block per SM.
     let (n_tiles32, m_blocks32, splits32) = grid;
-    let grid = if cfg.ws {
+    let persistent_swap_ab = cfg.swap_ab && super::swapab_persistent(cfg.bm);
+    let grid = if cfg.ws || persistent_swap_ab {
         let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
         let sms = backend.multiprocessor_count() as usize;
         (
@@ -244,6 +242,9 @@ pub(super) fn launch(
             1,
             1,
         )
+    } else if cfg.swap_ab {
+        // Route blocks fastest: an expert's blocks run together and share its weight tiles.
+        (m_blocks32, n_tiles32, splits32)
     } else {
         grid
     };
@@ -338,6 +339,10 @@ pub(super) fn launch(
         b_map = weight_tensor_map(op, g.weight.q, TmaElem::Fp8, rows, g.kd, 128)?;
         b.arg(&b_map);
     }
+    if persistent_swap_ab {
+        // The tile space in the kernel's order: route blocks (fastest), N tiles, K splits.
+        b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
+    }
     let counter;
     if cfg.ws {
         // The tile space and the tile counter (zeroed per launch, one increment per claimed tile).
@@ -365,8 +370,10 @@ pub(super) fn launch(
     // defines, opted in above 48 KiB (≤ 227 KiB). The warp-specialized variants (`cfg.ws`) take five
     // more arguments, pushed above: the weights' tensor map over [E · rows, kd] codes, the tile
     // space (three u32: N tiles, the M blocks of `sorted`, splits) that their grid of at most one
-    // block per SM walks, and a zeroed u32 tile counter. Swap-AB variants take the tensor map only;
-    // their grids put the route blocks (at most the slots' blocks) in x and the N tiles in y.
+    // block per SM walks, and a zeroed u32 tile counter. Swap-AB variants take the tensor map;
+    // their grids put the route blocks (at most the slots' blocks) in x and the N tiles in y, or,
+    // persistent, walk that space with at most one block per SM, whose three u32 (route blocks, N
+    // tiles, splits) follow the map.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
     Ok(())
 }

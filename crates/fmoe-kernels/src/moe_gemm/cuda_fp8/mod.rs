@@ -352,6 +352,30 @@ pub const fn swapab_threads(bn: usize) -> u32 {
     if bn >= 64 { 384 } else { 288 }
 }
 
+/// Whether swap-AB launches with route block `bn` walk their tiles with one persistent block per
+/// SM (`-D PERSISTENT=1`): from 64 routes on, where one block fills an SM, so a block's ring
+/// would otherwise drain and refill at every tile (its loader now runs into the next tile while
+/// the MMA warps finish this one). Dev-only [`DEV_SWAPAB_PERSIST_ENV`]`=off` launches a block
+/// per tile there as before.
+pub fn swapab_persistent(bn: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    bn >= 64 && !*OFF.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
+        Err(_) | Ok("on") => false,
+        Ok("off") => true,
+        Ok(v) => {
+            eprintln!(
+                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"on\" or \"off\"; using the default"
+            );
+            false
+        }
+    })
+}
+
+/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=off` gives the 64- and 128-route swap-AB launches a block
+/// per tile instead of the persistent grid ([`swapab_persistent`]; read once per process; not a
+/// user setting).
+pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
+
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
 /// blocks per SM), as deep as shared memory allows with one block per SM at 64 (5) and 128 (4).
 pub const fn swapab_stages(bn: usize) -> usize {
@@ -705,6 +729,10 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("BN", self.bm.to_string()));
+            if self.bm >= 64 {
+                let persistent = swapab_persistent(self.bm);
+                d.push(("PERSISTENT", u32::from(persistent).to_string()));
+            }
             return d;
         }
         if self.ws {
