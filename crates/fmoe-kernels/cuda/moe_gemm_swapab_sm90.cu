@@ -162,7 +162,7 @@ struct SwapTile {
 };
 #if PERSISTENT
 #define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
-#define SWAPAB_TILE_SPACE_ARGS m_blocks, n_tiles, splits,
+#define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
 #else
 #define SWAPAB_TILE_SPACE
 #define SWAPAB_TILE_SPACE_ARGS
@@ -242,7 +242,10 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned int g = lane >> 2, t = lane & 3, wg = tid >> 7;
 #if PERSISTENT
-    const unsigned int all_tiles = m_blocks * n_tiles * splits;
+    // Only the busy route blocks (the host's m_blocks is an upper bound): with idle ones in the
+    // space, the stride would hand some blocks nothing but idle tiles.
+    const unsigned int m_busy = min(m_blocks, busy / BN);
+    const unsigned int all_tiles = m_busy * n_tiles * splits;
     const unsigned int first_tile = blockIdx.x, tile_step = gridDim.x;
 #else
     if (blockIdx.x * BN >= busy) return;
