@@ -88,6 +88,9 @@
 #ifndef PERSISTENT
 #define PERSISTENT 0
 #endif
+#ifndef ROUTE_BLOCKS_FASTEST
+#define ROUTE_BLOCKS_FASTEST 0
+#endif
 #define NACC (BN / 2)  // accumulators per thread and 64-row slab (wgmma m64nBN)
 #define NJ (BN / 8)    // 8-route column groups per slab
 // fp8 partials: one per slab, or at BN = 128 one shared by both slabs in turn (2 x 64 accumulators
@@ -171,8 +174,13 @@ __device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAPAB_TILE_SPACE,
                                               unsigned int n_out) {
     SwapTile tile;
 #if PERSISTENT
+#if ROUTE_BLOCKS_FASTEST
     tile.rb = ti % m_blocks;
     tile.nt = (ti / m_blocks) % n_tiles;
+#else
+    tile.nt = ti % n_tiles;
+    tile.rb = (ti / n_tiles) % m_blocks;
+#endif
     const KSplit split = k_split_of(kblocks, ti / (m_blocks * n_tiles), splits);
 #else
     (void)ti;

@@ -603,10 +603,7 @@ impl GemmConfig {
                 d.push(("ELEM_BF16", "1".to_string()));
                 d.push(("STAGES", self.stages.to_string()));
                 d.push(("BN", self.bm.to_string()));
-                if self.bm >= 64 {
-                    let persistent = super::cuda_fp8::swapab_persistent(self.bm);
-                    d.push(("PERSISTENT", u32::from(persistent).to_string()));
-                }
+                d.extend(super::cuda_fp8::swapab_persist_defines(self.bm));
             }
         }
         d

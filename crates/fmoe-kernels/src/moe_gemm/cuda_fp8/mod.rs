@@ -358,22 +358,49 @@ pub const fn swapab_threads(bn: usize) -> u32 {
 /// the MMA warps finish this one). Dev-only [`DEV_SWAPAB_PERSIST_ENV`]`=off` launches a block
 /// per tile there as before.
 pub fn swapab_persistent(bn: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    bn >= 64 && !*OFF.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
-        Err(_) | Ok("on") => false,
-        Ok("off") => true,
+    bn >= 64 && swapab_persist_mode() != PersistMode::Off
+}
+
+/// [`DEV_SWAPAB_PERSIST_ENV`]'s choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(in crate::moe_gemm) enum PersistMode {
+    Off,
+    /// Persistent, N tiles fastest (the default).
+    NFastest,
+    /// Persistent, route blocks fastest (the per-tile grid's order).
+    RouteBlocksFastest,
+}
+
+pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
+    static MODE: std::sync::OnceLock<PersistMode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
+        Err(_) | Ok("on") => PersistMode::NFastest,
+        Ok("off") => PersistMode::Off,
+        Ok("rb") => PersistMode::RouteBlocksFastest,
         Ok(v) => {
             eprintln!(
-                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"on\" or \"off\"; using the default"
+                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"on\", \"off\" or \"rb\"; using the default"
             );
-            false
+            PersistMode::NFastest
         }
     })
 }
 
+/// The persistent swap-AB defines for route block `bn` (none below 64).
+pub(in crate::moe_gemm) fn swapab_persist_defines(bn: usize) -> Vec<(&'static str, String)> {
+    if bn < 64 {
+        return vec![];
+    }
+    let mut d = vec![("PERSISTENT", u32::from(swapab_persistent(bn)).to_string())];
+    if swapab_persist_mode() == PersistMode::RouteBlocksFastest {
+        d.push(("ROUTE_BLOCKS_FASTEST", "1".to_string()));
+    }
+    d
+}
+
 /// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=off` gives the 64- and 128-route swap-AB launches a block
-/// per tile instead of the persistent grid ([`swapab_persistent`]; read once per process; not a
-/// user setting).
+/// per tile instead of the persistent grid ([`swapab_persistent`]), `rb` the persistent grid with
+/// route blocks fastest (read once per process; not a user setting).
 pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
 
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
@@ -729,10 +756,7 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("BN", self.bm.to_string()));
-            if self.bm >= 64 {
-                let persistent = swapab_persistent(self.bm);
-                d.push(("PERSISTENT", u32::from(persistent).to_string()));
-            }
+            d.extend(swapab_persist_defines(self.bm));
             return d;
         }
         if self.ws {
