@@ -243,6 +243,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 #if BLOCK_SCALED
     __shared__ float a_sc[STAGES][BN];  // the routes' group scales of the stage's K block
+    // The expert's weight-block scales of the stage's K block: the two block rows each 128-row
+    // half of the weight tile may touch ([half 0: b, b + 1; half 1: b', b' + 1], clamped).
+    __shared__ float w_sc[STAGES][4];
 #endif
 
     const unsigned int kblocks = (kd + BK - 1) / BK;
@@ -305,6 +308,10 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             for (int i = 0; i < COPIES; ++i) rows[i] = route_row(sorted_routes[tile.m0 + ((lt + i * LOADERS) >> 3)], num_routes, top_k);
 #if BLOCK_SCALED
             const unsigned int srow = lt < BN ? route_row(sorted_routes[tile.m0 + lt], num_routes, top_k) : NO_ROW;
+            // Loader threads 0-3: weight-block scale row lt & 1 of half lt >> 1.
+            const unsigned int wrb = (w_rows + 127) / 128;
+            const unsigned int wblk = min((((lt >> 1) ? tile.half1 : tile.half0) >> 7) + (lt & 1), wrb - 1);
+            const float* wsrc = w_scale + ((unsigned long long)e * wrb + wblk) * kblocks + tile.kb0;
 #endif
             for (unsigned int kt = 0; kt < tile.ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES, full_s = full0 + 8 * s;
@@ -329,6 +336,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                     cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&a_sc[s][lt])),
                               a_scale + (ok ? (unsigned long long)srow * kblocks + tile.kb0 + kt : 0), ok);
                 }
+                if (lt < 4) cp_async4(static_cast<unsigned int>(__cvta_generic_to_shared(&w_sc[s][lt])), wsrc + kt, true);
 #endif
                 cp_async_mbar_arrive(full_s);
             }
@@ -358,29 +366,25 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
 
 #if BLOCK_SCALED
-        // Weight-scale rows: expert row (i ? half1 : half0) + 64 wg + rr + 8h lies in block row / 128
-        // (clamped: rows past the expert are never stored).
-        const unsigned int wrb = (w_rows + 127) / 128;
-        const float* wse = w_scale + (unsigned long long)e * wrb * kblocks;
-        const float* wsp[2][2];
+        // Weight-scale slot of expert row (i ? half1 : half0) + 64 wg + rr + 8h in the stage's
+        // w_sc: its half's first or second block row (the loaders clamp both alike).
+        unsigned int wsi[2][2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const unsigned int row = (i ? half1 : half0) + 64 * wg + rr + 8 * h;
-                wsp[i][h] = wse + (unsigned long long)min(row >> 7, wrb - 1) * kblocks;
+                const unsigned int first = i ? half1 : half0, row = first + 64 * wg + rr + 8 * h;
+                wsi[i][h] = 2 * i + (row >> 7) - (first >> 7);
             }
         }
 #endif
 
         for (unsigned int kt = 0; kt < tile.ktiles; ++kt, ++it) {
             const unsigned int s = it % STAGES;
-#if BLOCK_SCALED
-            const unsigned int kb = tile.kb0 + kt;
-            // Issued before the wait, so their latency hides behind it.
-            const float w00 = wsp[0][0][kb], w01 = wsp[0][1][kb], w10 = wsp[1][0][kb], w11 = wsp[1][1][kb];
-#endif
             mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+#if BLOCK_SCALED
+            const float w00 = w_sc[s][wsi[0][0]], w01 = w_sc[s][wsi[0][1]], w10 = w_sc[s][wsi[1][0]], w11 = w_sc[s][wsi[1][1]];
+#endif
             fence_proxy_async_shared();  // the loader's cp.async writes, for the tensor cores
             const unsigned int sw = wring + s * W_BYTES;
             const unsigned long long db = smem_desc(bring + s * B_BYTES);
