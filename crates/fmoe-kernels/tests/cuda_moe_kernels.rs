@@ -723,8 +723,9 @@ fn persistent_swap_ab_blocks_walk_many_tiles() {
             assert_eq!(block_m, want, "block-scaled at 40 routes per expert");
         }
         let what = format!(
-            "{quant:?} E={e} M={m} block_m {block_m} (persistent: {})",
-            moe_gemm::swapab_persistent(block_m)
+            "{quant:?} E={e} M={m} block_m {block_m} (persistent GEMM1/GEMM2: {}/{})",
+            moe_gemm::swapab_persistent(block_m, 1),
+            moe_gemm::swapab_persistent(block_m, 2)
         );
         // Two distinct experts per token, uniformly.
         let ids: Vec<u32> = (0..m)

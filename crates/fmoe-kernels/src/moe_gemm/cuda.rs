@@ -603,7 +603,7 @@ impl GemmConfig {
                 d.push(("ELEM_BF16", "1".to_string()));
                 d.push(("STAGES", self.stages.to_string()));
                 d.push(("BN", self.bm.to_string()));
-                d.extend(super::cuda_fp8::swapab_persist_defines(self.bm));
+                d.extend(super::cuda_fp8::swapab_persist_defines(self.bm, mode));
             }
         }
         d
@@ -1107,7 +1107,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
             )
         }
         // The tile space walked by one block per SM (route blocks fastest, as below).
-        GemmKind::SwapAb if super::cuda_fp8::swapab_persistent(cfg.bm) => {
+        GemmKind::SwapAb if super::cuda_fp8::swapab_persistent(cfg.bm, g.mode) => {
             let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
             (
                 u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
@@ -1163,7 +1163,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
     }
-    if cfg.kind == GemmKind::SwapAb && super::cuda_fp8::swapab_persistent(cfg.bm) {
+    if cfg.kind == GemmKind::SwapAb && super::cuda_fp8::swapab_persistent(cfg.bm, g.mode) {
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
     }
     let counter;

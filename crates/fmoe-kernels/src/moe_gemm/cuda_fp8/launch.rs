@@ -233,7 +233,7 @@ pub(super) fn launch(
     // The tile space; the warp-specialized kernels and the persistent swap-AB ones walk it with
     // one block per SM.
     let (n_tiles32, m_blocks32, splits32) = grid;
-    let persistent_swap_ab = cfg.swap_ab && super::swapab_persistent(cfg.bm);
+    let persistent_swap_ab = cfg.swap_ab && super::swapab_persistent(cfg.bm, g.mode);
     let grid = if cfg.ws || persistent_swap_ab {
         let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
         let sms = backend.multiprocessor_count() as usize;

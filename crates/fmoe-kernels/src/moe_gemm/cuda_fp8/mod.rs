@@ -352,55 +352,71 @@ pub const fn swapab_threads(bn: usize) -> u32 {
     if bn >= 64 { 384 } else { 288 }
 }
 
-/// Whether swap-AB launches with route block `bn` walk their tiles with one persistent block per
-/// SM (`-D PERSISTENT=1`): from 64 routes on, where one block fills an SM, so a block's ring
-/// would otherwise drain and refill at every tile (its loader now runs into the next tile while
-/// the MMA warps finish this one). Dev-only [`DEV_SWAPAB_PERSIST_ENV`]`=off` launches a block
-/// per tile there as before.
-pub fn swapab_persistent(bn: usize) -> bool {
-    bn >= 64 && swapab_persist_mode() != PersistMode::Off
+/// Whether swap-AB launches of `mode` (1 = GEMM1, 2 = GEMM2) with route block `bn` walk their
+/// tiles with one persistent block per SM (`-D PERSISTENT=1`, N tiles fastest): GEMM1 from 64
+/// routes on, where one block fills an SM, so a block's ring would otherwise drain and refill at
+/// every tile (its loader now runs into the next tile while the MMA warps finish this one), and
+/// N tiles fastest read each route block's activations once (ncu, DeepSeek-V3 fp8-block M = 1536:
+/// 8.3 → 7.8 GB from DRAM, GEMM1 2.00 → 1.88 ms). Not GEMM2, which ran slower persistent in
+/// either order (1.38 → 1.40-1.52 ms) with less DRAM traffic (BENCHMARKS.md, "persistent
+/// swap-AB"). Dev-only [`DEV_SWAPAB_PERSIST_ENV`] overrides.
+pub fn swapab_persistent(bn: usize, mode: u32) -> bool {
+    bn >= 64
+        && match swapab_persist_mode() {
+            PersistMode::Off => false,
+            PersistMode::Gemm1 => mode == 1,
+            PersistMode::NFastest | PersistMode::RouteBlocksFastest => true,
+        }
 }
 
 /// [`DEV_SWAPAB_PERSIST_ENV`]'s choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(in crate::moe_gemm) enum PersistMode {
     Off,
-    /// Persistent, N tiles fastest (the default).
+    /// GEMM1 persistent (N tiles fastest), GEMM2 a block per tile: the default.
+    Gemm1,
+    /// Both GEMMs persistent, N tiles fastest.
     NFastest,
-    /// Persistent, route blocks fastest (the per-tile grid's order).
+    /// Both GEMMs persistent, route blocks fastest (the per-tile grid's order).
     RouteBlocksFastest,
 }
 
 pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
     static MODE: std::sync::OnceLock<PersistMode> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
-        Err(_) | Ok("on") => PersistMode::NFastest,
+        Err(_) | Ok("gemm1") => PersistMode::Gemm1,
         Ok("off") => PersistMode::Off,
+        Ok("on") => PersistMode::NFastest,
         Ok("rb") => PersistMode::RouteBlocksFastest,
         Ok(v) => {
             eprintln!(
-                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"on\", \"off\" or \"rb\"; using the default"
+                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"gemm1\", \"on\", \"off\" or \"rb\"; \
+                 using the default"
             );
-            PersistMode::NFastest
+            PersistMode::Gemm1
         }
     })
 }
 
-/// The persistent swap-AB defines for route block `bn` (none below 64).
-pub(in crate::moe_gemm) fn swapab_persist_defines(bn: usize) -> Vec<(&'static str, String)> {
+/// The persistent swap-AB defines of `mode` for route block `bn` (none below 64).
+pub(in crate::moe_gemm) fn swapab_persist_defines(
+    bn: usize,
+    mode: u32,
+) -> Vec<(&'static str, String)> {
     if bn < 64 {
         return vec![];
     }
-    let mut d = vec![("PERSISTENT", u32::from(swapab_persistent(bn)).to_string())];
-    if swapab_persist_mode() == PersistMode::RouteBlocksFastest {
+    let persistent = swapab_persistent(bn, mode);
+    let mut d = vec![("PERSISTENT", u32::from(persistent).to_string())];
+    if persistent && swapab_persist_mode() == PersistMode::RouteBlocksFastest {
         d.push(("ROUTE_BLOCKS_FASTEST", "1".to_string()));
     }
     d
 }
 
-/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=off` gives the 64- and 128-route swap-AB launches a block
-/// per tile instead of the persistent grid ([`swapab_persistent`]), `rb` the persistent grid with
-/// route blocks fastest (read once per process; not a user setting).
+/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=<gemm1|on|off|rb>` = persistent swap-AB GEMM1 only (the
+/// default), both GEMMs, neither (a block per tile), both with route blocks fastest
+/// ([`swapab_persistent`]; read once per process; not a user setting).
 pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
 
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
@@ -756,7 +772,7 @@ impl Fp8GemmConfig {
             d.push(("BLOCK_SCALED", block.to_string()));
             d.push(("STAGES", self.stages.to_string()));
             d.push(("BN", self.bm.to_string()));
-            d.extend(swapab_persist_defines(self.bm));
+            d.extend(swapab_persist_defines(self.bm, mode));
             return d;
         }
         if self.ws {
