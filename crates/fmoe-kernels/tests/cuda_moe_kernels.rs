@@ -619,7 +619,6 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
         println!("skipping: swap-AB GEMMs are sm_90a only");
         return;
     }
-    let cpu = Device::Cpu;
     let top_k = 2usize;
     let mut rng = ChaCha8Rng::seed_from_u64(0x5a9b);
     let mut covered: BTreeSet<(String, usize)> = BTreeSet::new();
