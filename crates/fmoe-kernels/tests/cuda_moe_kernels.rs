@@ -603,9 +603,10 @@ impl LayerWeights {
     }
 }
 
-/// The swap-AB GEMMs at every route block the rule picks (16 and 32 routes per block = wgmma N;
-/// block-scaled fp8 also 64 up to [`moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per
-/// expert; 64 and 128 everywhere when the dev knobs force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
+/// The swap-AB GEMMs at every route block the rule picks (16, 32 and 64 routes per block = wgmma
+/// N, 64 up to [`moe_gemm::SWAPAB_WIDE_ROUTES_PER_EXPERT`] routes per expert, block-scaled fp8 up
+/// to [`moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]; 64 and 128 everywhere when the dev knobs
+/// force them), bf16 and both fp8 schemes, at the smallest and largest M of each block's
 /// range, against the CPU twin on the same operands: 8 experts of which only 3 are routed to (5
 /// with 0 routes, the routed ones with 2.7x the mean, so several ragged blocks each) and E = 1
 /// (every route in one expert); K and N not multiples of 128 (fp8: K = 272, N = 1040; bf16: K =
@@ -664,22 +665,20 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
             }
         }
     }
-    // Every route block the rule uses ran (16 and 32), or the one the dev knob forces (the device
-    // script runs this test once per route block with FMOE_DEV_SWAPAB_BN and
+    // Every route block the rule uses ran (16, 32 and 64), or the one the dev knob forces (the
+    // device script runs this test once per route block with FMOE_DEV_SWAPAB_BN and
     // FMOE_DEV_SWAPAB_ROUTES set).
     let forced: Option<usize> = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
         .ok()
         .and_then(|v| v.parse().ok());
-    // Block-scaled: 64-route blocks too, up to the wide range's end (const or dev knob).
-    let wide_end = std::env::var(moe_gemm::DEV_SWAPAB_WIDE_ROUTES_ENV)
+    // 64-route blocks unless the dev knob ends their range at or before the 32-route one's end.
+    let wide = std::env::var(moe_gemm::DEV_SWAPAB_WIDE_ROUTES_ENV)
         .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(moe_gemm::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT);
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_none_or(|end| end > moe_gemm::SWAPAB_MID_ROUTES_PER_EXPERT);
     for q in ["None", "Fp8PerTensor", "Fp8Group"] {
         let blocks = match forced {
-            None if q == "Fp8Group" && wide_end > moe_gemm::SWAPAB_MID_ROUTES_PER_EXPERT => {
-                vec![16, 32, 64]
-            }
+            None if wide => vec![16, 32, 64],
             None => vec![16, 32],
             Some(bn) => vec![bn],
         };
@@ -695,10 +694,10 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
 /// The persistent swap-AB launches (64- and 128-route blocks: one block per SM walks the tiles)
 /// where each block walks several tiles of different experts, N tiles and (GEMM2) K splits, so
 /// the ring's slots and phases carry across tiles: E = 8 all routed, 40 routes per expert on
-/// average (block-scaled fp8 runs 64-route blocks there by the rule; bf16 and per-tensor only when
-/// the device script forces a route block with `FMOE_DEV_SWAPAB_BN`, else their tile kernels run
-/// and are checked the same way), K = 1040 and N = 4000 (GEMM1 about 13 route blocks × 32 N
-/// tiles, over 400 tiles on 132 SMs; GEMM2 13 × 5 tiles split over K). Against the CPU twin.
+/// average (every scheme runs 64-route blocks there by the rule, or the block the device script
+/// forces with `FMOE_DEV_SWAPAB_BN`), K = 1040 and N = 4000 (GEMM1 about 13 route blocks × 32 N
+/// tiles, over 400 tiles on 132 SMs; GEMM2 13 × 5 tiles split over K, persistent with
+/// `FMOE_DEV_SWAPAB_PERSIST=on|rb`). Against the CPU twin.
 #[test]
 fn persistent_swap_ab_blocks_walk_many_tiles() {
     let Some(b) = test_backend_or_skip() else {
@@ -713,14 +712,12 @@ fn persistent_swap_ab_blocks_walk_many_tiles() {
     for quant in [ActQuant::None, ActQuant::Fp8PerTensor, ActQuant::Fp8Group] {
         let w = LayerWeights::random(&mut rng, quant, e, k, n);
         let block_m = moe_gemm::block_m_for(CUDA, 16, m * top_k, e, &w.gpu.0).unwrap();
-        if quant == ActQuant::Fp8Group {
-            // 64-route blocks by the rule at 40 routes per expert, or the block the knob forces.
-            let want = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(64);
-            assert_eq!(block_m, want, "block-scaled at 40 routes per expert");
-        }
+        // 64-route blocks by the rule at 40 routes per expert, or the block the knob forces.
+        let want = std::env::var(moe_gemm::DEV_SWAPAB_BN_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64);
+        assert_eq!(block_m, want, "{quant:?} at 40 routes per expert");
         let what = format!(
             "{quant:?} E={e} M={m} block_m {block_m} (persistent GEMM1/GEMM2: {}/{})",
             moe_gemm::swapab_persistent(block_m, 1),

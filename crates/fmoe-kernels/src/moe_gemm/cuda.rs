@@ -393,8 +393,8 @@ fn dev_range(
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
-/// `FMOE_DEV_SWAPAB_WIDE_ROUTES=<n>` the upper end of the block-scaled 64-route range (at or below
-/// the swap-AB range's end: none);
+/// `FMOE_DEV_SWAPAB_WIDE_ROUTES=<n>` the upper end of the 64-route range, every scheme (at or
+/// below the swap-AB range's end: none);
 /// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor (swap-AB's too).
 pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
 pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
@@ -427,8 +427,9 @@ pub(super) fn swapab_routes_per_expert() -> Option<usize> {
     dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV)
 }
 
-/// The [`DEV_SWAPAB_WIDE_ROUTES_ENV`] override of the block-scaled 64-route range's upper end
-/// ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT)).
+/// The [`DEV_SWAPAB_WIDE_ROUTES_ENV`] override of the 64-route range's upper end
+/// ([`SWAPAB_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_WIDE_ROUTES_PER_EXPERT),
+/// [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT)).
 pub(super) fn swapab_wide_routes_per_expert() -> Option<usize> {
     static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     dev_knob(&CELL, DEV_SWAPAB_WIDE_ROUTES_ENV)
@@ -1709,7 +1710,13 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 16 * 8, 8), swap32); // Mixtral, M = 64
         assert_eq!(GemmConfig::select(h, 25 * 8 - 1, 8), swap32);
         assert_eq!(GemmConfig::select(h, 512 * 8, 256), swap32); // DeepSeek-V3, M = 512
-        assert_eq!(GemmConfig::select(h, 25 * 8, 8), SM90_SMALL);
+        // 25 to 49 routes per expert: 64-route blocks, then the 64-row tiles.
+        let swap64 = sm90_swapab(64, 5);
+        assert_eq!(GemmConfig::select(h, 25 * 8, 8), swap64);
+        assert_eq!(GemmConfig::select(h, 49 * 8 - 1, 8), swap64);
+        assert_eq!(GemmConfig::select(h, 49 * 8, 8), SM90_SMALL);
+        assert_eq!(GemmConfig::for_routes(h, 64, 25 * 8, 8), Some(swap64));
+        assert_eq!(GemmConfig::for_routes(h, 64, 49 * 8, 8), Some(SM90_SMALL));
         assert_eq!(GemmConfig::select((8, 9), 2, 8), MMA);
         assert_eq!(GemmConfig::select(h, 63 * 8, 8), SM90_SMALL);
         assert_eq!(GemmConfig::select(h, 64 * 8, 8), SM90_LARGE); // Mixtral, M = 256
@@ -1720,7 +1727,7 @@ mod select_tests {
         assert_eq!(GemmConfig::select(h, 176 * 8 - 1, 8), SM90_TALL);
         assert_eq!(GemmConfig::select(h, 176 * 8, 8), SM90_LARGE);
         assert_eq!(GemmConfig::select(h, 8192 * 8, 256), SM90_LARGE); // DeepSeek-V3, M = 8192
-        assert_eq!(GemmConfig::select(h, 1024 * 8, 256), SM90_SMALL); // 32 routes per expert
+        assert_eq!(GemmConfig::select(h, 1024 * 8, 256), swap64); // 32 routes per expert
         assert_eq!(GemmConfig::select(h, 2048 * 8, 256), SM90_LARGE);
         assert_eq!(GemmConfig::select((8, 0), 1 << 20, 8), MMA);
         assert_eq!(GemmConfig::select((10, 0), 1 << 20, 8), MMA); // sm_90a code does not run there

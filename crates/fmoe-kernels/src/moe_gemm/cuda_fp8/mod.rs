@@ -36,9 +36,9 @@
 //!   split-K evens the waves ([`Fp8GemmConfig::swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`]`=off`
 //!   brings the 64-route kernels back there; from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`] = 25
 //!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
-//!   GEMM2 unsplit once its grid fills a wave; block-scaled also from 25 to below
-//!   [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 49 with 64-route blocks
-//!   ([`swapab_route_block_for`]);
+//!   GEMM2 unsplit once its grid fills a wave; from 25 to below [`SWAPAB_WIDE_ROUTES_PER_EXPERT`]
+//!   = 49 (block-scaled: [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 57) with 64-route blocks, one
+//!   block per SM, GEMM1 on a persistent grid ([`swapab_route_block_for`], [`swapab_persistent`]);
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
 //!   256 tiles, promotion per 128-wide K block: each MMA warpgroup multiplies the tile's two
 //!   128-row halves into a 64-register partial in turn, waits for and promotes each, and the two
@@ -271,9 +271,8 @@ pub const FP8_BLOCK_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
 /// weights, through L2).
 pub const SWAPAB_ROUTES_PER_EXPERT: usize = 16;
 
-/// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16 and 32 run
-/// by the rule, 64 by the block-scaled rule only ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]); 128
-/// only through [`DEV_SWAPAB_BN_ENV`].
+/// The swap-AB kernels' route blocks (wgmma N, `-D BN`, = `moe_align`'s `block_m`): 16, 32 and 64
+/// run by the rule ([`swapab_route_block`]); 128 only through [`DEV_SWAPAB_BN_ENV`].
 pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 
 /// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
@@ -282,68 +281,67 @@ pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 /// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
 /// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
 /// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
-/// need a second block) 1.06-1.17x slower. 64- and 128-route blocks (one block per SM) lose or tie
-/// for bf16 and per-tensor fp8 (up to 1.28x slower at 64 per expert than the 128-row tiles);
-/// block-scaled fp8 takes 64-route blocks from here ([`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]).
+/// need a second block) 1.06-1.17x slower; 64-route blocks take over from here
+/// ([`SWAPAB_WIDE_ROUTES_PER_EXPERT`]).
 pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 
-/// Block-scaled only: from the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below
-/// this many routes per expert on average the swap-AB kernel runs with 64-route blocks (one block
-/// per SM, a 5-deep TMA ring, GEMM2 unsplit) instead of the 64-row tiles
-/// ([`swapab_route_block_for`]). Why only this scheme: the block tile kernel's 64-row tiles pay
-/// the per-K-block promotion on the MMA warps' critical path, while swap-AB's stream the weights
-/// through TMA with the promotion under the loads; bf16 and per-tensor tiles have no promotion to
-/// pay and beat 64-route blocks there (1.01-1.03x at 32 routes per expert, 1.09-1.28x at 64). H200
-/// (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled fp8"): 1.05-1.09x faster on
-/// DeepSeek-V3 at 28-48 routes per expert, 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the
-/// 32-route blocks stay); at 64 per expert 1.16-1.19x slower (second blocks stream the weights
-/// again), so the range ends past 48, the largest measured win.
-pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 49;
+/// From the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below this many routes
+/// per expert on average the swap-AB kernels run with 64-route blocks (one block per SM, a 5-deep
+/// TMA ring, GEMM1 on the persistent grid, [`swapab_persistent`]) instead of the 64-row tiles, bf16
+/// and per-tensor fp8 (block-scaled: [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]). H200 (BENCHMARKS.md,
+/// "persistent swap-AB"): DeepSeek-V3 at 32 and 48 routes per expert 1.04-1.06x faster than the
+/// tiles (bf16 and per-tensor); before GEMM1 was persistent they lost 1.01-1.03x at 32.
+pub const SWAPAB_WIDE_ROUTES_PER_EXPERT: usize = 49;
+
+/// [`SWAPAB_WIDE_ROUTES_PER_EXPERT`] for block-scaled fp8, whose 64-row tiles pay the per-K-block
+/// promotion on the MMA warps' critical path while swap-AB's stream the weights through TMA with
+/// the promotion under the loads. H200 (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled
+/// fp8", "persistent swap-AB"): 1.05-1.09x faster on DeepSeek-V3 at 28-48 routes per expert,
+/// 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the 32-route blocks stay), and with the
+/// persistent GEMM1 1.03-1.05x at 56 on DeepSeek-V3; at 64 per expert 1.16-1.24x slower (second
+/// blocks stream the weights again), so the range ends past 56.
+pub const SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT: usize = 57;
 
 /// The swap-AB route block for `num_routes` routes over `experts` experts, or `None` where the
-/// tile kernels run, for bf16 and per-tensor fp8 (block-scaled: [`swapab_route_block_for`]): 16 below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
-/// [`SWAPAB_MID_ROUTES_PER_EXPERT`]. Dev knobs: [`DEV_SWAPAB_ENV`]`=off` never,
-/// [`DEV_SWAPAB_BN_ENV`] forces the block, `FMOE_DEV_SWAPAB_ROUTES` moves the
-/// upper end of the range.
+/// tile kernels run, for bf16 and per-tensor fp8 (block-scaled: [`swapab_route_block_for`]): 16
+/// below [`SWAPAB_ROUTES_PER_EXPERT`] routes per expert on average, 32 below
+/// [`SWAPAB_MID_ROUTES_PER_EXPERT`], 64 below [`SWAPAB_WIDE_ROUTES_PER_EXPERT`]. Dev knobs:
+/// [`DEV_SWAPAB_ENV`]`=off` never, [`DEV_SWAPAB_BN_ENV`] forces the block,
+/// `FMOE_DEV_SWAPAB_ROUTES` moves the 32-route range's end, `FMOE_DEV_SWAPAB_WIDE_ROUTES` the
+/// 64-route one's (both schemes; ≤ the 32-route end: none).
 pub fn swapab_route_block(num_routes: usize, experts: usize) -> Option<usize> {
-    dev_swapab()?;
-    let experts = experts.max(1);
-    let upper = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
-    if num_routes >= upper * experts {
-        return None;
-    }
-    if let Some(bn) = dev_swapab_bn() {
-        return Some(bn);
-    }
-    Some(if num_routes < SWAPAB_ROUTES_PER_EXPERT * experts {
-        16
-    } else {
-        32
-    })
+    route_block_with_wide_end(num_routes, experts, SWAPAB_WIDE_ROUTES_PER_EXPERT)
 }
 
-/// [`swapab_route_block`] for an fp8 scheme: block-scaled batches also from its range's end up to
-/// below [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] routes per expert with 64-route blocks (dev:
-/// `FMOE_DEV_SWAPAB_WIDE_ROUTES` moves that end; [`DEV_SWAPAB_BN_ENV`] forces the block here too).
+/// [`swapab_route_block`] for an fp8 scheme: block-scaled batches take 64-route blocks up to
+/// [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`].
 pub fn swapab_route_block_for(
     scheme: Fp8Scheme,
     num_routes: usize,
     experts: usize,
 ) -> Option<usize> {
-    if let Some(bn) = swapab_route_block(num_routes, experts) {
-        return Some(bn);
-    }
-    if scheme != Fp8Scheme::Block {
-        return None;
-    }
+    let wide_end = match scheme {
+        Fp8Scheme::Block => SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT,
+        Fp8Scheme::PerTensor => SWAPAB_WIDE_ROUTES_PER_EXPERT,
+    };
+    route_block_with_wide_end(num_routes, experts, wide_end)
+}
+
+fn route_block_with_wide_end(num_routes: usize, experts: usize, wide_end: usize) -> Option<usize> {
     dev_swapab()?;
     let experts = experts.max(1);
-    let lo = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
-    let hi = swapab_wide_routes_per_expert().unwrap_or(SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT);
-    if num_routes < lo * experts || num_routes >= hi * experts {
+    let mid = swapab_routes_per_expert().unwrap_or(SWAPAB_MID_ROUTES_PER_EXPERT);
+    let wide = swapab_wide_routes_per_expert().unwrap_or(wide_end);
+    let bn = if num_routes < SWAPAB_ROUTES_PER_EXPERT * experts && num_routes < mid * experts {
+        16
+    } else if num_routes < mid * experts {
+        32
+    } else if num_routes < wide * experts {
+        64
+    } else {
         return None;
-    }
-    Some(dev_swapab_bn().unwrap_or(64))
+    };
+    Some(dev_swapab_bn().unwrap_or(bn))
 }
 
 /// Threads of a swap-AB block with route block `bn`: two MMA warpgroups and one loader warp, a
@@ -1067,12 +1065,18 @@ mod tests {
         assert_eq!(Fp8GemmConfig::select(Block, 16 * 8, 8), swap32(Block));
         assert_eq!(Fp8GemmConfig::select(Block, 512 * 8, 256), swap32(Block)); // DeepSeek-V3
         assert_eq!(Fp8GemmConfig::select(Block, 25 * 8 - 1, 8), swap32(Block));
+        // 64-route swap-AB blocks from 25 to the wide range's end (per-tensor 49, block-scaled
+        // 57), then tiles.
+        let swap64t = Fp8GemmConfig::swap_ab(PerTensor, 64, swapab_stages(64));
+        assert_eq!(Fp8GemmConfig::select(PerTensor, 25 * 8, 8), swap64t);
+        let tw = SWAPAB_WIDE_ROUTES_PER_EXPERT;
+        assert_eq!(Fp8GemmConfig::select(PerTensor, tw * 8 - 1, 8), swap64t);
         assert_eq!(
-            Fp8GemmConfig::select(PerTensor, 25 * 8, 8),
+            Fp8GemmConfig::select(PerTensor, tw * 8, 8),
             FP8_TENSOR_SMALL
         );
-        // Block-scaled only: 64-route swap-AB blocks from 25 to the wide range's end, then tiles.
         let wide = SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT;
+        assert!(wide > tw);
         let swap64 = Fp8GemmConfig::swap_ab(Block, 64, swapab_stages(64));
         assert!(
             wide > SWAPAB_MID_ROUTES_PER_EXPERT
@@ -1086,8 +1090,11 @@ mod tests {
             Fp8GemmConfig::select(Block, wide * 256, 256),
             FP8_BLOCK_SCALED
         );
-        assert_eq!(swapab_route_block(25 * 8, 8), None);
-        assert_eq!(swapab_route_block_for(PerTensor, 25 * 8, 8), None);
+        assert_eq!(swapab_route_block(25 * 8, 8), Some(64));
+        assert_eq!(swapab_route_block(tw * 8, 8), None);
+        assert_eq!(swapab_route_block_for(PerTensor, 25 * 8, 8), Some(64));
+        assert_eq!(swapab_route_block_for(PerTensor, tw * 8, 8), None);
+        assert_eq!(swapab_route_block_for(Block, tw * 8, 8), Some(64));
         assert_eq!(swapab_route_block_for(Block, 25 * 8, 8), Some(64));
         assert_eq!(swapab_route_block_for(Block, 24 * 8, 8), Some(32));
         assert_eq!(
@@ -1102,6 +1109,10 @@ mod tests {
         );
         assert_eq!(
             Fp8GemmConfig::for_routes(PerTensor, 64, 25 * 8, 8),
+            Some(swap64t)
+        );
+        assert_eq!(
+            Fp8GemmConfig::for_routes(PerTensor, 64, tw * 8, 8),
             Some(FP8_TENSOR_SMALL)
         );
         assert_eq!(
