@@ -15,13 +15,17 @@
 // (moe_align with BLOCK_M = BN), the accumulator D[weight row, route] = the transposed output tile.
 // BN (-D BN) = 16 below 16 routes per expert on average, 32 from 16 to below 25 (the host rule,
 // moe_gemm/cuda_fp8/mod.rs: one block holds nearly every expert's routes there, two blocks per
-// SM); 64 and 128 (one block per SM, a loader warpgroup, bf16 keeping one wgmma group in flight,
-// fp8 at 128 one partial for both slabs and setmaxnreg 40 / 232) run through a dev knob only: on
-// the H200 they beat the tile kernels only for DeepSeek-V3 fp8-block at 32 routes per expert.
+// SM); 64 from 25 to below 49 (block-scaled: 57), one block per SM with a loader warpgroup and,
+// GEMM1, PERSISTENT=1 (below); 128 (bf16 keeping one wgmma group in flight, fp8 one partial for
+// both slabs and setmaxnreg 40 / 232) through a dev knob only.
 // The BN = 16 CUBINs are byte-identical to those before BN existed.
 //
-// CTA: one 256-row weight tile x BN routes, the whole K range (MODE 1) or a split of it (MODE 2,
-// gridDim.z). 288 threads (BN >= 64: 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps
+// Tile: 256 weight rows x BN routes, the whole K range (MODE 1) or a split of it (MODE 2). A CTA
+// runs one tile (grid: route blocks, N tiles, splits) or, PERSISTENT=1, walks the tile space (N
+// tiles fastest, then the busy route blocks, then splits; ROUTE_BLOCKS_FASTEST=1 swaps the first
+// two) with a stride of gridDim.x = one block per SM: the ring and its phases continue across
+// tiles, so the loader fills the next tile's stages while the MMA warps run this one's epilogue,
+// and N tiles fastest read a route block's activations once from DRAM. 288 threads (BN >= 64: 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps
 // 8-11) loads. Per 128-byte K step (BK =
 // 128 fp8 or 64 bf16 elements) the loader issues two TMA boxes of 128 weight rows x 128 bytes
 // (128-byte swizzle; w viewed as [E * w_rows, kd]) and gathers the BN activation rows with cp.async
@@ -38,7 +42,8 @@
 // fp8: every 128-wide K step goes into a fresh partial accumulator (4 wgmma per slab), retired and
 // promoted into f32 registers (per-tensor: acc += part, as the small per-tensor kernel's PROMOTE=1;
 // block: acc += part * (a_scale[route, kb] * w_scale[e, row block, kb]), the order of
-// moe_gemm/cpu.rs; A's group scales travel in the stage, the weight scales are read per row).
+// moe_gemm/cpu.rs; A's group scales and the two weight-block rows of each 128-row half travel in
+// the stage).
 // bf16: the 4 wgmma per slab and step accumulate straight into acc (products of bf16 are exact in
 // f32, as in moe_gemm_bf16_sm90.cu). Either way each step retires before its slot is released, so
 // all STAGES slots stay loading.
@@ -55,7 +60,9 @@
 // MODE 1 block: n_out % 16 == 0. Routes
 // aligned by moe_align with BLOCK_M = BN. Launch: grid (route blocks, ceil(n_out / (MODE 1 ? 128 :
 // 256)), MODE 1 ? 1 : splits) (route blocks fastest, so the blocks of one expert run together and
-// share its weight tiles in L2), NTHREADS threads, dynamic shared memory STAGES * (256 + BN) * 128 + 1024.
+// share its weight tiles in L2), or PERSISTENT=1: at most one block per SM, the same three counts
+// as trailing arguments (m_blocks, n_tiles, splits); NTHREADS threads, dynamic shared memory
+// STAGES * (256 + BN) * 128 + 1024.
 
 #include <cuda_bf16.h>
 
