@@ -391,10 +391,14 @@ fn cuda_static_forward_launches_no_amax() {
             0,
             "{family}: {trace:?}"
         );
-        assert_eq!(
-            count("moe_gemm_fp8_sm90/fmoe_moe_gemm_fp8"),
-            2,
-            "{family}: {trace:?}"
-        );
+        // The two per-tensor GEMMs, whichever fp8 GEMM family the rule picks for this batch.
+        let gemms = trace
+            .iter()
+            .filter(|t| {
+                let name = t.split('[').next().unwrap_or("");
+                name.starts_with("moe_gemm_fp8") && name.ends_with("/fmoe_moe_gemm_fp8")
+            })
+            .count();
+        assert_eq!(gemms, 2, "{family}: {trace:?}");
     }
 }
