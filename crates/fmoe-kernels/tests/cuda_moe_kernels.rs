@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod common;
-use common::{randn, rel};
+use common::{hopper_or_skip, randn, rel};
 
 const CUDA: Device = Device::Cuda(0);
 
@@ -613,11 +613,7 @@ impl LayerWeights {
 /// 200, N = 1000), GEMM2 split over K where the grid is small. Outputs are poisoned (NaN) first.
 #[test]
 fn swap_ab_route_blocks_match_the_cpu_twin() {
-    let Some(b) = test_backend_or_skip() else {
-        return;
-    };
-    if b.compute_capability() != (9, 0) {
-        println!("skipping: swap-AB GEMMs are sm_90a only");
+    if !hopper_or_skip("the swap-AB GEMM") {
         return;
     }
     let top_k = 2usize;
@@ -700,11 +696,7 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
 /// `FMOE_DEV_SWAPAB_PERSIST=on|rb`). Against the CPU twin.
 #[test]
 fn persistent_swap_ab_blocks_walk_many_tiles() {
-    let Some(b) = test_backend_or_skip() else {
-        return;
-    };
-    if b.compute_capability() != (9, 0) {
-        println!("skipping: swap-AB GEMMs are sm_90a only");
+    if !hopper_or_skip("the swap-AB GEMM") {
         return;
     }
     let (e, k, n, top_k, m) = (8usize, 1040usize, 4000usize, 2usize, 160usize);

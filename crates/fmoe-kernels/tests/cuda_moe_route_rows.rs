@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 mod common;
-use common::{randn, rel};
+use common::{hopper_or_skip, randn, rel};
 
 const CUDA: Device = Device::Cuda(0);
 
@@ -135,11 +135,7 @@ fn operands(
 /// K, where the request falls back to the reductions (and stays right).
 #[test]
 fn route_rows_gemm2_matches_the_cpu_twin() {
-    let Some(b) = test_backend_or_skip() else {
-        return;
-    };
-    if b.compute_capability() != (9, 0) {
-        println!("skipping: the route-rows GEMM2 runs on sm_90 only");
+    if !hopper_or_skip("the route-rows GEMM2") {
         return;
     }
     let cpu = Device::Cpu;

@@ -22,3 +22,17 @@ pub fn rel(got: &[f32], want: &[f32]) -> f64 {
     }
     (d / w.max(1e-300)).sqrt()
 }
+
+/// Whether the sm_90a-only kernels can run: a CUDA device of compute capability 9.0. Otherwise
+/// prints "skipping: <what> runs on sm_90 only" (or the missing device's reason, which fails under
+/// `FMOE_REQUIRE_CUDA=1`) and returns false.
+pub fn hopper_or_skip(what: &str) -> bool {
+    let Some(b) = fmoe_core::cuda::test_backend_or_skip() else {
+        return false;
+    };
+    if b.compute_capability() != (9, 0) {
+        println!("skipping: {what} runs on sm_90 only");
+        return false;
+    }
+    true
+}
