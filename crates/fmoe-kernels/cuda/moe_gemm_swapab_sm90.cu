@@ -25,9 +25,9 @@
 // tiles fastest, then the busy route blocks, then splits; ROUTE_BLOCKS_FASTEST=1 swaps the first
 // two) with a stride of gridDim.x = one block per SM: the ring and its phases continue across
 // tiles, so the loader fills the next tile's stages while the MMA warps run this one's epilogue,
-// and N tiles fastest read a route block's activations once from DRAM. 288 threads (BN >= 64: 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps
-// 8-11) loads. Per 128-byte K step (BK =
-// 128 fp8 or 64 bf16 elements) the loader issues two TMA boxes of 128 weight rows x 128 bytes
+// and N tiles fastest read a route block's activations once from DRAM. 288 threads (BN >= 64:
+// 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps 8-11) loads. Per 128-byte K step
+// (BK = 128 fp8 or 64 bf16 elements) the loader issues two TMA boxes of 128 weight rows x 128 bytes
 // (128-byte swizzle; w viewed as [E * w_rows, kd]) and gathers the BN activation rows with cp.async
 // (16 bytes each, zero-filled for padding routes and past kd), both completing on the stage's full
 // mbarrier (the copies through
@@ -89,9 +89,9 @@
 #ifndef BN
 #define BN 16    // routes per tile (wgmma N): 16, 32, 64 or 128
 #endif
-// PERSISTENT=1: one block per SM walks the tile space (route blocks fastest, then N tiles, then
-// K splits) with a stride of gridDim.x, its loader running into the next tile while the MMA warps
-// finish this one (the host sets it from BN = 64 on, where a block fills the SM).
+// PERSISTENT=1: one block per SM walks the tile space (see "Tile" above; the host sets it for
+// GEMM1 from BN = 64 on, where a block fills the SM); ROUTE_BLOCKS_FASTEST=1 orders that walk as
+// the per-tile grid (a dev experiment).
 #ifndef PERSISTENT
 #define PERSISTENT 0
 #endif
