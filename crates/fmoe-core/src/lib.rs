@@ -10,7 +10,7 @@
 //!   memory pool that keeps freed blocks) and [`cuda::CudaStorage`] is the memory behind
 //!   [`Storage::Cuda`]. The driver and NVRTC are loaded at run time, so building needs no CUDA
 //!   toolkit and a machine without a GPU gets an [`Error::NoCuda`], never a panic.
-//! - [`env`] parses the `FMOE_*` switches, each variable on its own (no cascade here: the MoE layer
+//! - [`env`](mod@env) parses the `FMOE_*` switches, each variable on its own (no cascade here: the MoE layer
 //!   decides what a combination means).
 //!
 //! ```

@@ -62,7 +62,7 @@ impl Sampler {
         Ok(Sampler { params, rng })
     }
 
-    /// The next token from `logits` [vocab]. A NaN logit is an error.
+    /// The next token from `logits` \[vocab\]. A NaN logit is an error.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         if logits.is_empty() {
             return Err(Error::Request("no logits to sample from".into()));

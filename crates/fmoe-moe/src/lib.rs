@@ -9,7 +9,7 @@
 //!   `process_weights_after_loading` converts checkpoint tensors into what the chosen kernel reads
 //!   (fp8 scale merging and requantization, online quantization), `apply` runs the experts.
 //! - [`FusedMoe`] is the layer: router logits → [`router`] → method → (+ shared expert).
-//! - [`reference`] is the f64 reference the tests and benchmarks measure kernels against.
+//! - [`reference`](mod@reference) is the f64 reference the tests and benchmarks measure kernels against.
 //!
 //! The pipeline of `apply` ([`stages`]): prepare (quantize a1, align routes by expert) → experts
 //! (GEMM1 + SiLU⊙mul, quantize a2, GEMM2) → finalize (routing weight and top-k sum, fused into GEMM2

@@ -6,7 +6,7 @@ use fmoe_kernels::routing::{self, GroupedTopKParams, TopK};
 
 use crate::{Error, MoeConfig, Result, Routing};
 
-/// Routes `logits` [M, E]. `bias` is DeepSeek-V3's `e_score_correction_bias` [E] (f32), required
+/// Routes `logits` \[M, E\]. `bias` is DeepSeek-V3's `e_score_correction_bias` \[E\] (f32), required
 /// for grouped sigmoid routing. On CUDA the kernels' non-finite flags are read before returning
 /// (a synchronization; see [`route_deferred`]).
 pub fn route(config: &MoeConfig, logits: &Tensor, bias: Option<&Tensor>) -> Result<TopK> {

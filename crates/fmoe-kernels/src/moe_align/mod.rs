@@ -72,7 +72,7 @@ pub struct TallRuns {
     pub slot_base: usize,
     /// Its first block in [`AlignedRoutes::block_experts`].
     pub block_base: usize,
-    /// u32 [1]: the segment's padded length in use, counted from `slot_base`.
+    /// u32 \[1\]: the segment's padded length in use, counted from `slot_base`.
     pub total: Tensor,
 }
 
@@ -88,9 +88,9 @@ pub struct AlignedRoutes {
     /// u32 [num_experts + 1]: start of each expert's run in `sorted_routes` (padded offsets); the
     /// last entry is the end of the last run. Mixed: of the short blocks only.
     pub expert_offsets: Tensor,
-    /// u32 [num_experts]: routes each expert received (before padding).
+    /// u32 \[num_experts\]: routes each expert received (before padding).
     pub expert_counts: Tensor,
-    /// u32 [1]: the padded length in use (`expert_offsets[num_experts]`), on the routes' device;
+    /// u32 \[1\]: the padded length in use (`expert_offsets[num_experts]`), on the routes' device;
     /// on the CPU equal to `sorted_routes`' length. Mixed: the short segment's padded length.
     pub total: Tensor,
     pub num_routes: usize,

@@ -101,7 +101,7 @@ pub const MMA: GemmConfig = GemmConfig {
 /// weight rows × 16 routes per block, a 3-deep ring of 32 KiB weight stages (the fp8 kernels'
 /// bytes: 64 bf16 of K per stage instead of 128 e4m3), 103 KiB of shared memory, two blocks per
 /// SM. Only the route blocks that can be busy are launched; GEMM2's split-K evens the waves
-/// ([`swap_ab_splits`]). Dev-only [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV)`=off` gives
+/// (`swap_ab_splits`). Dev-only [`DEV_SWAPAB_ENV`](super::DEV_SWAPAB_ENV)`=off` gives
 /// [`SM90_SMALL`] back there, a number sets the ring depth.
 pub const SM90_SWAPAB: GemmConfig = GemmConfig {
     kind: GemmKind::SwapAb,
@@ -255,7 +255,7 @@ fn sm90_large() -> GemmConfig {
 /// The pipe kernel with 64-row M tiles, for batches just past [`LARGE_TILE_ROUTES_PER_EXPERT`]:
 /// with ~128 routes per expert, 128-row tiles leave about half the experts a second, mostly
 /// empty tile (DeepSeek-V3 at M = 4096: 1.5× the routes' FLOPs), 64-row tiles about 1.25×. Off
-/// unless [`DEV_SM90_MID_ENV`] turns it on: on the H200 the 64 × 256 tile loses about what the
+/// unless `FMOE_DEV_SM90_MID` turns it on: on the H200 the 64 × 256 tile loses about what the
 /// padding saves (DeepSeek-V3 M = 4096: 8.47–9.3 ms vs 8.43–8.54 with 128-row tiles; Mixtral-8x7B
 /// at M = 1024, 256 routes per expert: 1.68 vs 1.35 ms).
 pub const SM90_MID: GemmConfig = GemmConfig {
@@ -281,7 +281,7 @@ fn sm90_mid() -> GemmConfig {
 }
 
 /// Average routes per expert below which [`SM90_MID`] replaces [`SM90_LARGE`] (from
-/// [`LARGE_TILE_ROUTES_PER_EXPERT`] on) when [`DEV_SM90_MID_ENV`] is `on`.
+/// [`LARGE_TILE_ROUTES_PER_EXPERT`] on) when `FMOE_DEV_SM90_MID` is `on`.
 pub const MID_TILE_MAX_ROUTES_PER_EXPERT: usize = 256;
 
 /// Dev-only: `FMOE_DEV_SM90_MID=<off|on|wide>` sets the upper end of [`SM90_MID`]'s range (never,
@@ -335,8 +335,8 @@ fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
 /// segment. H200, bf16 (BENCHMARKS.md "mixed tile heights"), against one height: DeepSeek-V3 M =
 /// 4096-16384 1.03-1.08x, Mixtral-8x7B M = 2048 1.08x and 768 1.03x; with 8 experts the two
 /// launches' tails cost 1-3 % where little padding goes (Mixtral-8x7B M = 384-640), so
-/// below this only batches over [`MIXED_TILE_MANY_EXPERTS`] experts take mixed tiles from
-/// [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`].
+/// below this only batches over `MIXED_TILE_MANY_EXPERTS` (64) experts take mixed tiles from
+/// `MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT` (128).
 pub const MIXED_TILE_ROUTES_PER_EXPERT: usize = 176;
 
 /// Experts from which mixed tiles start at [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`].
@@ -468,7 +468,7 @@ impl GemmConfig {
 
     /// The M tiles to align a batch of `num_routes` routes over `experts` experts to on a device
     /// of capability `cc`: mixed 128 / 192-row tiles on Hopper from [`MIXED_TILE_ROUTES_PER_EXPERT`]
-    /// (or [`MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT`] over many experts), else
+    /// (or `MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT` over many experts), else
     /// [`Self::select`]'s M tile.
     pub fn tiling(cc: (u32, u32), num_routes: usize, experts: usize) -> RouteTiling {
         if cc == (9, 0) && mixed_tiles_pay(num_routes, experts) {
@@ -1398,7 +1398,7 @@ pub(super) fn route_rows_define() -> (&'static str, String) {
 /// Top-k from which [`route_rows_pay`] picks per-route rows.
 pub const ROUTE_ROWS_MIN_TOP_K: usize = 4;
 
-/// The rule of [`Gemm2Sum::Auto`]: per-route rows for top-k ≥ [`ROUTE_ROWS_MIN_TOP_K`] when y32
+/// The rule of [`Gemm2Sum::Auto`]: per-route rows for top-k ≥ `ROUTE_ROWS_MIN_TOP_K` (4) when y32
 /// (f32 [tokens, K]) outgrows L2. Why (H200, BENCHMARKS.md 2026-12-01 "GEMM2 without the y32
 /// read-modify-write"): the rows take GEMM2's reductions out (ncu: DeepSeek-V3 bf16 M = 16384
 /// GEMM2 6.93 → 6.67 ms, fp8-block M = 8192 2.70 → 2.52) but their top-k sum reads routes × K × 2

@@ -217,7 +217,7 @@ impl ActOperand {
 pub enum WeightOperand {
     /// bf16/f16/f32 values.
     Plain(Tensor),
-    /// e4m3 codes with one scale per expert (`scales` f32 [E]).
+    /// e4m3 codes with one scale per expert (`scales` f32 \[E\]).
     Fp8PerTensor { q: Tensor, scales: Tensor },
     /// e4m3 codes with one scale per 128×128 block (`scale_inv` f32 [E, ceil(rows/128), ceil(K/128)]).
     Fp8Block { q: Tensor, scale_inv: Tensor },

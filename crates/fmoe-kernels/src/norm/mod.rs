@@ -37,7 +37,7 @@ fn check(op: &'static str, x: &Tensor, w: &Tensor, eps: f32) -> Result<(usize, u
 }
 
 /// RMSNorm as transformers computes it: n = dtype(x_f32 · rsqrt(mean(x_f32²) + eps)); y = dtype(w · n).
-/// x [M, H], w [H], same dtype.
+/// x \[M, H\], w \[H\], same dtype.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     const OP: &str = "norm::rms_norm";
     let (m, h) = check(OP, x, w, eps)?;

@@ -20,9 +20,9 @@ use crate::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RotaryStyle {
-    /// (x[i], x[i + d/2]) pairs, Llama/Mixtral.
+    /// (`x[i]`, `x[i + d/2]`) pairs, Llama/Mixtral.
     HalfSplit,
-    /// (x[2i], x[2i + 1]) pairs, DeepSeek.
+    /// (`x[2i]`, `x[2i + 1]`) pairs, DeepSeek.
     Interleaved,
 }
 

@@ -2,14 +2,14 @@
 //! tensor functions (CUDA kernels and cuBLAS on a GPU; their CPU twins on the CPU, which is how
 //! the path is tested without one). Activations are in the model's dtype (bf16 unless the
 //! checkpoint is f16), the KV cache is a slab cache on the same device
-//! ([`KvStorage::Slab`](crate::KvStorage::Slab)), and only the logits rows asked for come back
+//! ([`crate::KvStorage::Slab`]), and only the logits rows asked for come back
 //! to the host, as f32.
 //!
-//! What the two models share lives here: dense weights ([`load_dense`]: fp8 checkpoints'
+//! What the two models share lives here: dense weights (`load_dense`: fp8 checkpoints'
 //! linears are dequantized to the activation dtype at load; only the MoE experts stay fp8), norms,
-//! the residual stream with its fused add + RMSNorm ([`Residual`]), the ends (embedding lookup,
-//! final norm, lm_head over the requested rows: [`Ends`]), the per-pass rotary tables
-//! ([`RopeTensors`]) and the MoE block ([`DeviceMoe`]: router gate → routing → [`FusedMoe`]).
+//! the residual stream with its fused add + RMSNorm (`Residual`), the ends (embedding lookup,
+//! final norm, lm_head over the requested rows: `Ends`), the per-pass rotary tables
+//! (`RopeTensors`) and the MoE block (`DeviceMoe`: router gate → routing → [`FusedMoe`]).
 //! The model files hold the rest: [`mixtral`] and [`deepseek_v3`].
 //!
 //! Host work per pass, not per layer: what every layer reads the same way is uploaded once per
@@ -17,7 +17,7 @@
 //! ([`crate::model::KvCache::slot_mapping`]), the attention plan
 //! ([`fmoe_kernels::attention::plan_attention`]) and DeepSeek-V3's cached-row index — and nothing
 //! waits for the device before the logits: the routing kernels' NaN/Inf flags (and the fp8 MoE
-//! quantizations') are collected over the layers as one [`FiniteCheck`] ([`Checks`]) and read
+//! quantizations') are collected over the layers as one [`FiniteCheck`] (`Checks`) and read
 //! once, just before the logits come down, giving the error the first flagged layer would have
 //! given at once (a NonFinite error naming `router_logits`). A NaN therefore no longer stops the
 //! pass at its layer: the rest of the pass runs on meaningless values (valid expert ids) and the

@@ -80,7 +80,7 @@ pub fn load_experts(
 
 /// The activation scales of experts `0..num_experts` under `vb`: dynamic unless the checkpoint's
 /// `activation_scheme` is static, in which case each expert's `J.{gate,up,down}.input_scale`
-/// (shape [] or [1], f32/bf16/f16; a missing one is an error naming it) is read and
+/// (shape \[\] or \[1\], f32/bf16/f16; a missing one is an error naming it) is read and
 /// [`ActScales::from_expert_input_scales`] takes their maxima. Only the MoE experts use them:
 /// the dense linears of such checkpoints ignore their `input_scale` (their activations stay
 /// unquantized).
@@ -284,7 +284,7 @@ impl MoeBlock {
     }
 
     /// A block with grouped sigmoid routing (DeepSeek-V3): `bias` is the layer's
-    /// `e_score_correction_bias` [E] f32 (the same tensor given to [`FusedMoe::new`]).
+    /// `e_score_correction_bias` \[E\] f32 (the same tensor given to [`FusedMoe::new`]).
     pub fn with_selection_bias(gate: Linear, experts: FusedMoe, bias: Tensor) -> MoeBlock {
         MoeBlock {
             gate,

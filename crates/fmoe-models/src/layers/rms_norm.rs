@@ -19,7 +19,7 @@ impl RmsNorm {
         }
     }
 
-    /// Loads `weight` [dim] under `vb`.
+    /// Loads `weight` \[dim\] under `vb`.
     pub fn load(vb: &Vb, dim: usize, eps: f64) -> Result<RmsNorm> {
         let w = vb.get("weight", &[dim], &[DType::BF16, DType::F16, DType::F32])?;
         Ok(RmsNorm::new(w.to_f32_vec()?, eps))

@@ -19,8 +19,8 @@ use crate::{ActScales, Error, KernelFamily, QuantScheme, Result};
 pub enum CheckpointExperts {
     /// bf16/f16/f32: w13 [E, 2N, K] (gate rows, then up rows), w2 [E, K, N].
     Dense { w13: Tensor, w2: Tensor },
-    /// e4m3 with per-tensor scales: `w13_scale` is [E] or [E, 2] (separate w1 and w3 scales, as
-    /// Mixtral fp8 checkpoints store them); `w2_scale` is [E].
+    /// e4m3 with per-tensor scales: `w13_scale` is \[E\] or \[E, 2\] (separate w1 and w3 scales, as
+    /// Mixtral fp8 checkpoints store them); `w2_scale` is \[E\].
     Fp8PerTensor {
         w13: Tensor,
         w13_scale: Tensor,
