@@ -343,23 +343,18 @@ fn fp8_grouped_gemms_match_the_cpu_twin_at_both_m_tiles() {
     let w2f = randn(&mut rng, e * k * n, 1.0 / (n as f32).sqrt());
     let w13 = Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap();
     let w2 = Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap();
-    // Per-tensor weights: the codes of one scale, dequantized with a different scale per expert.
-    let per_tensor = |w: &Tensor| {
-        let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
-        let s = s.to_f32_vec().unwrap()[0];
-        let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / 8.0)).collect();
-        WeightOperand::Fp8PerTensor {
-            q,
-            scales: Tensor::from_vec(scales, [e], &cpu).unwrap(),
-        }
-    };
-    let block = |w: &Tensor| {
-        let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
-        WeightOperand::Fp8Block { q, scale_inv }
-    };
+    let q = |w: &Tensor, quant| weight_operand(w, quant, e, 8.0);
     let schemes = [
-        (ActQuant::Fp8PerTensor, per_tensor(&w13), per_tensor(&w2)),
-        (ActQuant::Fp8Group, block(&w13), block(&w2)),
+        (
+            ActQuant::Fp8PerTensor,
+            q(&w13, ActQuant::Fp8PerTensor),
+            q(&w2, ActQuant::Fp8PerTensor),
+        ),
+        (
+            ActQuant::Fp8Group,
+            q(&w13, ActQuant::Fp8Group),
+            q(&w2, ActQuant::Fp8Group),
+        ),
     ];
     for m in [1usize, 5, 32, 1500] {
         let x = Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
@@ -502,6 +497,28 @@ fn m_range_for_route_block(
     Some((*ms.first()?, *ms.last()?))
 }
 
+/// `w` [E, rows, cols] as the weight operand `quant`'s kernels take: plain bf16; per-tensor fp8
+/// (the codes of one scale, dequantized with a different scale per expert: 1 + i / `spread`
+/// times it, so a kernel that mixes up the experts' scales shows); or 128×128 block-scaled fp8.
+fn weight_operand(w: &Tensor, quant: ActQuant, e: usize, spread: f32) -> WeightOperand {
+    match quant {
+        ActQuant::None => WeightOperand::Plain(w.clone()),
+        ActQuant::Fp8PerTensor => {
+            let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
+            let s = s.to_f32_vec().unwrap()[0];
+            let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / spread)).collect();
+            WeightOperand::Fp8PerTensor {
+                q,
+                scales: Tensor::from_vec(scales, [e], &Device::Cpu).unwrap(),
+            }
+        }
+        ActQuant::Fp8Group => {
+            let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
+            WeightOperand::Fp8Block { q, scale_inv }
+        }
+    }
+}
+
 /// One layer's expert weights (`quant`'s weight operands) on the CPU and on the GPU: `e` experts,
 /// hidden size `k`, intermediate size `n`, per-tensor weight scales that differ per expert.
 struct LayerWeights {
@@ -519,28 +536,10 @@ impl LayerWeights {
         let w2f = randn(rng, e * k * n, 1.0 / (n as f32).sqrt());
         let w13 = Tensor::from_f32(&w13f, [e, 2 * n, k], DType::BF16, &cpu).unwrap();
         let w2 = Tensor::from_f32(&w2f, [e, k, n], DType::BF16, &cpu).unwrap();
-        let (w13q, w2q) = match quant {
-            ActQuant::None => (WeightOperand::Plain(w13), WeightOperand::Plain(w2)),
-            ActQuant::Fp8PerTensor => {
-                let pt = |w: &Tensor| {
-                    let (q, s) = quant_fp8::quantize_per_tensor(w).unwrap();
-                    let s = s.to_f32_vec().unwrap()[0];
-                    let scales: Vec<f32> = (0..e).map(|i| s * (1.0 + i as f32 / 4.0)).collect();
-                    WeightOperand::Fp8PerTensor {
-                        q,
-                        scales: Tensor::from_vec(scales, [e], &cpu).unwrap(),
-                    }
-                };
-                (pt(&w13), pt(&w2))
-            }
-            _ => {
-                let bl = |w: &Tensor| {
-                    let (q, scale_inv) = quant_fp8::quantize_block(w, [128, 128]).unwrap();
-                    WeightOperand::Fp8Block { q, scale_inv }
-                };
-                (bl(&w13), bl(&w2))
-            }
-        };
+        let (w13q, w2q) = (
+            weight_operand(&w13, quant, e, 4.0),
+            weight_operand(&w2, quant, e, 4.0),
+        );
         let gpu = (w13q.to_device(CUDA).unwrap(), w2q.to_device(CUDA).unwrap());
         LayerWeights {
             quant,
