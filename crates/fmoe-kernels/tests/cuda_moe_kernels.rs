@@ -377,24 +377,14 @@ fn fp8_grouped_gemms_match_the_cpu_twin_at_both_m_tiles() {
             let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
             for bm in [16, 64, 128] {
                 let what = format!("{quant:?} M={m} block_m={bm}");
-                let routes = align_routes(&idsg, e, bm).unwrap();
-                let (h, check) =
-                    moe_gemm::gemm1_silu_mul_quant(&ag, &routes, top_k, &w13g, *quant).unwrap();
-                let y = moe_gemm::gemm2_weighted_sum(&h, &routes, &twg, &w2g).unwrap();
-                check.check().unwrap();
-                assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
-                let got = y.to_f32_vec().unwrap();
-                assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
-                let err = rel(&got, &want);
-                println!("{what}: rel_err vs the CPU twin {err:.2e}");
-                // Per-tensor: the GPU requantizes the bf16-rounded h, the CPU its f32 h (one code
-                // step apart where that rounding crosses a boundary), hence 3e-2 there.
-                let tol = if *quant == ActQuant::Fp8Group {
-                    1e-2
-                } else {
-                    3e-2
+                let gpu = GpuLayer {
+                    a: &ag,
+                    ids: &idsg,
+                    topk_weights: &twg,
+                    w13: &w13g,
+                    w2: &w2g,
                 };
-                assert!(err <= tol, "{what}: {err:.3e}");
+                gpu.check(*quant, e, bm, &want, &what);
             }
         }
     }
@@ -578,24 +568,55 @@ impl LayerWeights {
             .unwrap()
             .to_f32_vec()
             .unwrap();
-        let ag = a.to_device(CUDA).unwrap();
-        let (idsg, twg) = (ids.to_device(CUDA).unwrap(), tw.to_device(CUDA).unwrap());
-        let routes = align_routes(&idsg, e, block_m).unwrap();
+        let (ag, idsg, twg) = (
+            a.to_device(CUDA).unwrap(),
+            ids.to_device(CUDA).unwrap(),
+            tw.to_device(CUDA).unwrap(),
+        );
+        let gpu = GpuLayer {
+            a: &ag,
+            ids: &idsg,
+            topk_weights: &twg,
+            w13: &self.gpu.0,
+            w2: &self.gpu.1,
+        };
+        gpu.check(quant, e, block_m, &want, what)
+    }
+}
+
+/// One layer's operands on the GPU: activations (quantized as the method does), routing, weights.
+struct GpuLayer<'a> {
+    a: &'a ActOperand,
+    ids: &'a Tensor,
+    topk_weights: &'a Tensor,
+    w13: &'a WeightOperand,
+    w2: &'a WeightOperand,
+}
+
+impl GpuLayer<'_> {
+    /// GEMM1 then GEMM2 over routes aligned to `block_m` against `want` (the CPU twin's y):
+    /// y is [M, K] on the GPU, finite (outputs are poisoned), within the method's tolerance.
+    /// Returns the relative error.
+    fn check(&self, quant: ActQuant, e: usize, block_m: usize, want: &[f32], what: &str) -> f64 {
+        let (m, top_k) = (self.ids.dims()[0], self.ids.dims()[1]);
+        let routes = align_routes(self.ids, e, block_m).unwrap();
         let (h, check) =
-            moe_gemm::gemm1_silu_mul_quant(&ag, &routes, top_k, &self.gpu.0, quant).unwrap();
-        let y = moe_gemm::gemm2_weighted_sum(&h, &routes, &twg, &self.gpu.1).unwrap();
+            moe_gemm::gemm1_silu_mul_quant(self.a, &routes, top_k, self.w13, quant).unwrap();
+        let y = moe_gemm::gemm2_weighted_sum(&h, &routes, self.topk_weights, self.w2).unwrap();
         check.check().unwrap();
+        let k = want.len() / m;
         assert_eq!((y.device(), y.dims()), (CUDA, &[m, k][..]), "{what}");
         let got = y.to_f32_vec().unwrap();
         assert!(got.iter().all(|v| v.is_finite()), "{what}: unwritten y");
-        let err = rel(&got, &want);
+        let err = rel(&got, want);
         println!("{what}: rel_err vs the CPU twin {err:.2e}");
         // bf16: exact products summed in another order, h rounded to bf16 (4e-3, as the bf16
-        // test); fp8 as the fp8 test (per-tensor requantizes the bf16 h).
+        // test); per-tensor fp8: the GPU requantizes the bf16-rounded h, the CPU its f32 h (one
+        // code step apart where that rounding crosses a boundary), hence 3e-2.
         let tol = match quant {
             ActQuant::None => 4e-3,
             ActQuant::Fp8Group => 1e-2,
-            _ => 3e-2,
+            ActQuant::Fp8PerTensor => 3e-2,
         };
         assert!(err <= tol, "{what}: {err:.3e}");
         err
