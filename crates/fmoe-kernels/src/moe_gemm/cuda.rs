@@ -971,6 +971,21 @@ pub(super) struct GemmGrid {
     pub(super) n_out: u32,
 }
 
+/// The grid of a persistent GEMM over the tile space `(n_tiles, m_blocks, splits)`: at most one
+/// block per SM (each walks the tiles in the kernel's own order).
+pub(super) fn persistent_grid(
+    op: &'static str,
+    (n_tiles, m_blocks, splits): (u32, u32, u32),
+    sms: usize,
+) -> Result<(u32, u32, u32)> {
+    let tiles = n_tiles as usize * m_blocks as usize * splits as usize;
+    Ok((
+        u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
+        1,
+        1,
+    ))
+}
+
 /// `blocks_m` M tiles of `bm` routes, `n_tiles` N tiles, `splits` K splits.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_grid(
@@ -1096,26 +1111,13 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
     // The tile space, as the pipe kernel takes it; the persistent one walks it with a block per SM.
     let (n_tiles32, m_blocks32, splits32) = (grid.0, grid.1, grid.2);
+    let persistent = match cfg.kind {
+        GemmKind::Sm90Pipe { persistent, .. } => persistent,
+        GemmKind::SwapAb => super::cuda_fp8::swapab_persistent(cfg.bm, g.mode),
+        _ => false,
+    };
     let grid = match cfg.kind {
-        GemmKind::Sm90Pipe {
-            persistent: true, ..
-        } => {
-            let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
-            (
-                u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
-                1,
-                1,
-            )
-        }
-        // The tile space walked by one block per SM (route blocks fastest, as below).
-        GemmKind::SwapAb if super::cuda_fp8::swapab_persistent(cfg.bm, g.mode) => {
-            let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
-            (
-                u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
-                1,
-                1,
-            )
-        }
+        _ if persistent => persistent_grid(op, grid, sms)?,
         // Route blocks fastest: an expert's blocks run together and share its weight tiles.
         GemmKind::SwapAb => (grid.1, grid.0, grid.2),
         _ => grid,
@@ -1164,7 +1166,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
     }
-    if cfg.kind == GemmKind::SwapAb && super::cuda_fp8::swapab_persistent(cfg.bm, g.mode) {
+    if cfg.kind == GemmKind::SwapAb && persistent {
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
     }
     let counter;

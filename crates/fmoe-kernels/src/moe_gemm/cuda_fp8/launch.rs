@@ -7,9 +7,9 @@ use fmoe_core::{DType, Device, Storage, Tensor};
 
 use super::support::{check_arch, pair_scheme};
 use super::{Fp8GemmConfig, Fp8Scheme};
-use crate::launch::{cuda_storage, opt_in_smem, u32_arg};
+use crate::launch::{cuda_storage, opt_in_smem};
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::cuda::{GemmGrid, gemm_grid};
+use crate::moe_gemm::cuda::{GemmGrid, gemm_grid, persistent_grid};
 use crate::moe_gemm::tma::{TmaElem, weight_tensor_map};
 use crate::moe_gemm::{ActOperand, WeightOperand};
 use crate::{Error, Result};
@@ -235,13 +235,7 @@ pub(super) fn launch(
     let (n_tiles32, m_blocks32, splits32) = grid;
     let persistent_swap_ab = cfg.swap_ab && super::swapab_persistent(cfg.bm, g.mode);
     let grid = if cfg.ws || persistent_swap_ab {
-        let tiles = n_tiles32 as usize * m_blocks32 as usize * splits32 as usize;
-        let sms = backend.multiprocessor_count() as usize;
-        (
-            u32_arg(op, "persistent blocks", tiles.min(sms).max(1))?,
-            1,
-            1,
-        )
+        persistent_grid(op, grid, backend.multiprocessor_count() as usize)?
     } else if cfg.swap_ab {
         // Route blocks fastest: an expert's blocks run together and share its weight tiles.
         (m_blocks32, n_tiles32, splits32)
