@@ -97,6 +97,10 @@ static_assert(!ORDER_MMA || (BLOCK_SCALED && !PIPE_PROMOTE), "ordered issue is f
 #ifndef RASTER_GM
 #define RASTER_GM 16
 #endif
+#ifndef SKIP_PAD_WG
+#define SKIP_PAD_WG 0
+#endif
+static_assert(!SKIP_PAD_WG || !PIPE_PROMOTE, "a lone warpgroup is for one accumulator chain per half or tile");
 #define BM 128
 #define BK 128  // fp8 elements (= bytes): one 128-byte swizzle row, one scale block along K
 #define NB 256  // weight rows per tile: two TMA boxes of 128
@@ -388,6 +392,28 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int n0 = tc.n_tile * (NB / 2);  // output columns n0 .. n0 + 127
 #else
         const unsigned int n0 = tc.n_tile * NB;  // output columns n0 .. n0 + 255
+#endif
+#if SKIP_PAD_WG
+        // Tile rows 64.. all padding (an expert's last block of <= 64 routes): warpgroup 1 skips
+        // the tile. It hands each stage back once it is full (so its arrivals count toward the
+        // right phase) and, with ORDER_MMA, takes and passes each of its turns at once, so
+        // warpgroup 0 runs its usual loop (its SASS unchanged) and multiplies alone.
+        // (A vote, so ptxas knows the branch is warp-uniform and keeps the loop's descriptors in
+        // uniform registers.)
+        if (__all_sync(0xffffffffu, cw == 1 && sorted_routes[m0 + 64] >= num_routes)) {
+            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+#if ORDER_MMA
+                for (int hf = 0; hf < 2; ++hf) {
+                    mma_turn_wait(cw);
+                    mma_turn_pass(cw);
+                }
+#endif
+                warp_arrive(empty0 + 8 * s, lane);
+            }
+            continue;
+        }
 #endif
         float acc[NB / 2];
 #pragma unroll

@@ -4,7 +4,9 @@
 //! `promote-gemm2-ordered` (quarters in GEMM1)) give the same bits: the pipelined 64-row
 //! quarters do the same tensor-core products, the same `fmaf` with the same scale products, in
 //! the same order as the 128-row halves, so GEMM1's h (codes and group scales) and GEMM2's y must
-//! be bit-identical, not merely close.
+//! be bit-identical, not merely close. The same holds with the lone warpgroup off
+//! (`FMOE_DEV_FP8_LONE_WG=off`): where a tile's rows 64.. are all padding the second MMA
+//! warpgroup skips it by default, and the first one's rows must not change.
 //!
 //! The switch is read once per process, so the test runs this binary again once per schedule
 //! (child processes, marked by [`CHILD_ENV`]) and compares what the children write. GEMM2 is
@@ -20,7 +22,9 @@ use std::process::Command;
 use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::moe_align::align_routes;
-use fmoe_kernels::moe_gemm::{self, ActOperand, ActQuant, DEV_FP8_LARGE_ENV, WeightOperand};
+use fmoe_kernels::moe_gemm::{
+    self, ActOperand, ActQuant, DEV_FP8_LARGE_ENV, DEV_FP8_LONE_WG_ENV, WeightOperand,
+};
 use fmoe_kernels::quant_fp8;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -40,7 +44,8 @@ fn bits(t: &Tensor, out: &mut Vec<u8>) {
 }
 
 /// The child's work: one block-scaled GEMM1 + GEMM2 on the large (128-route) tiles. E = 4, top-1,
-/// M = 1024 (~256 routes per expert); K = 1040 (GEMM1: 9 K blocks, odd, the last ragged; GEMM2's
+/// M = 1024 with 40, 300, 193 and 491 routes per expert (last blocks of 40, 44, 65 and 107 routes:
+/// two all-padding second halves, two live ones); K = 1040 (GEMM1: 9 K blocks, odd, the last ragged; GEMM2's
 /// output ragged past 4 tiles of 256); N = 400 (N % 128 = 16: GEMM1's up rows straddle two weight
 /// blocks; GEMM2: 4 K blocks, one 2- or 4-block iteration).
 fn run_child(path: &Path) {
@@ -62,7 +67,14 @@ fn run_child(path: &Path) {
         [e, k, n],
     );
     let x = Tensor::from_f32(&randn(&mut rng, m * k, 1.0), [m, k], DType::BF16, &cpu).unwrap();
-    let ids: Vec<u32> = (0..m).map(|_| rng.random_range(0..e) as u32).collect();
+    let counts = [40usize, 300, 193, 491];
+    assert_eq!(counts.iter().sum::<usize>(), m);
+    let mut ids: Vec<u32> = (0..e as u32)
+        .flat_map(|x| std::iter::repeat_n(x, counts[x as usize]))
+        .collect();
+    for i in (1..m).rev() {
+        ids.swap(i, rng.random_range(0..=i));
+    }
     let ids = Tensor::from_vec(ids, [m, 1], &cpu).unwrap();
     let tw: Vec<f32> = (0..m).map(|_| rng.random_range(0.1..1.0)).collect();
     let tw = Tensor::from_vec(tw, [m, 1], &cpu).unwrap();
@@ -103,21 +115,27 @@ fn promotion_schedules_give_the_same_bits() {
     }
     let exe = std::env::current_exe().unwrap();
     let mut dumps = Vec::new();
-    for v in [
-        "promote-halves",
-        "default",
-        "promote-drain1",
-        "promote-drain2",
-        "promote-drain4",
-        "promote-gemm2-halves",
-        "promote-ordered",
-        "promote-gemm2-ordered",
+    for (schedule, lone) in [
+        ("promote-halves", "off"),
+        ("promote-halves", "block"),
+        ("default", "block"),
+        ("default", "off"),
+        ("promote-drain1", "block"),
+        ("promote-drain2", "block"),
+        ("promote-drain4", "block"),
+        ("promote-gemm2-halves", "block"),
+        ("promote-ordered", "block"),
+        ("promote-gemm2-ordered", "block"),
     ] {
-        let path =
-            std::env::temp_dir().join(format!("fmoe_promotion_{}_{v}.bin", std::process::id()));
+        let path = std::env::temp_dir().join(format!(
+            "fmoe_promotion_{}_{schedule}_{lone}.bin",
+            std::process::id()
+        ));
+        let v = format!("{schedule}, lone warpgroup {lone}");
         let status = Command::new(&exe)
             .args([TEST_NAME, "--exact", "--test-threads", "1", "--quiet"])
-            .env(DEV_FP8_LARGE_ENV, v)
+            .env(DEV_FP8_LARGE_ENV, schedule)
+            .env(DEV_FP8_LONE_WG_ENV, lone)
             .env(CHILD_ENV, &path)
             .status()
             .unwrap();

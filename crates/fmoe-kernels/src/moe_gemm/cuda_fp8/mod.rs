@@ -514,6 +514,34 @@ fn dev_raster_gm() -> Option<usize> {
     })
 }
 
+/// Whether the warp-specialized kernel of `scheme` lets its second MMA warpgroup skip a tile whose
+/// rows 64.. are all padding (`-D SKIP_PAD_WG`: an expert's last block of at most 64 routes; the
+/// first warpgroup multiplies it alone): block-scaled by default, whose MMA warps bound it, so
+/// half a tile's multiplies and promotions go (H200: BENCHMARKS.md, "a lone warpgroup"). Dev-only
+/// `FMOE_DEV_FP8_LONE_WG=<block|all|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
+fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
+    static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    let (tensor, block) = *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LONE_WG_ENV).as_deref() {
+        Err(_) | Ok("block") => (false, true),
+        Ok("all") => (true, true),
+        Ok("off") => (false, false),
+        Ok(other) => {
+            eprintln!(
+                "fmoe: {DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"block\", \"all\", \"off\"]; \
+                 using block"
+            );
+            (false, true)
+        }
+    });
+    match scheme {
+        Fp8Scheme::PerTensor => tensor,
+        Fp8Scheme::Block => block,
+    }
+}
+
+/// Dev-only knob of [`lone_warpgroup`] (read once per process; not a user setting).
+pub const DEV_FP8_LONE_WG_ENV: &str = "FMOE_DEV_FP8_LONE_WG";
+
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DevLarge {
@@ -787,6 +815,9 @@ impl Fp8GemmConfig {
                 d.push(("PIPE_PROMOTE", pipe.to_string()));
             } else if self.order_mma && block == 1 {
                 d.push(("ORDER_MMA", "1".to_string()));
+            }
+            if pipe == 0 && lone_warpgroup(self.scheme) {
+                d.push(("SKIP_PAD_WG", "1".to_string()));
             }
             return d;
         }
