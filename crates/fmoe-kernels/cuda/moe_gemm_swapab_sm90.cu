@@ -98,6 +98,14 @@
 #ifndef ROUTE_BLOCKS_FASTEST
 #define ROUTE_BLOCKS_FASTEST 0
 #endif
+// DYNAMIC=1 (PERSISTENT only, a dev experiment): block b takes tile b first, then the next id of a
+// global counter (from gridDim.x on; zeroed by the host), as the warp-specialized kernels do:
+// loader thread 0 claims and hands the id to the other loader threads (named barrier 2) and to
+// the MMA warps (a two-slot ring with its own mbarriers), so faster SMs take more tiles.
+#ifndef DYNAMIC
+#define DYNAMIC 0
+#endif
+static_assert(!DYNAMIC || PERSISTENT, "the dynamic schedule is a persistent grid's");
 #define NACC (BN / 2)  // accumulators per thread and 64-row slab (wgmma m64nBN)
 #define NJ (BN / 8)    // 8-route column groups per slab
 // fp8 partials: one per slab, or at BN = 128 one shared by both slabs in turn (2 x 64 accumulators
@@ -170,14 +178,22 @@ __device__ __forceinline__ unsigned int route_row(unsigned int rt, unsigned int 
 struct SwapTile {
     unsigned int rb, m0, nt, n0, half0, half1, kb0, ktiles;
 };
-#if PERSISTENT
+#if PERSISTENT && DYNAMIC
+#define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits, unsigned int* tile_counter
+#define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
+#elif PERSISTENT
 #define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
 #define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
 #else
 #define SWAPAB_TILE_SPACE
 #define SWAPAB_TILE_SPACE_ARGS
 #endif
-__device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAPAB_TILE_SPACE, unsigned int kblocks,
+#if PERSISTENT
+#define SWAP_TILE_PARAMS , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
+#else
+#define SWAP_TILE_PARAMS
+#endif
+__device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAP_TILE_PARAMS, unsigned int kblocks,
                                               unsigned int n_out) {
     SwapTile tile;
 #if PERSISTENT
@@ -220,6 +236,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                    unsigned int top_k, unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_BF16();  // first: see common/pdl.cuh
+#if DYNAMIC
+    tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
 #endif
 #elif BLOCK_SCALED
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -232,6 +251,9 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
                         unsigned int kd, unsigned int n_out, const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_FP8_BLOCK();  // first: see common/pdl.cuh
+#if DYNAMIC
+    tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
 #endif
 #else
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -244,10 +266,18 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                   const __grid_constant__ TmaDesc b_map SWAPAB_TILE_SPACE) {
 #if PDL
     FMOE_PDL_ENTER_GEMM_FP8();  // first: see common/pdl.cuh
+#if DYNAMIC
+    tile_counter = fmoe_pdl_fresh(tile_counter);
+#endif
 #endif
 #endif
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+#if DYNAMIC
+    // Tile ids from loader thread 0 to the MMA warps: slot c % 2 holds the block's c-th claim.
+    __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
+    __shared__ unsigned int tile_ring[2];
+#endif
 #if BLOCK_SCALED
     __shared__ float a_sc[STAGES][BN];  // the routes' group scales of the stage's K block
     // The expert's weight-block scales of the stage's K block: the two block rows each 128-row
@@ -281,12 +311,22 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const unsigned int full0 = static_cast<unsigned int>(__cvta_generic_to_shared(full_bar));
     const unsigned int empty0 = static_cast<unsigned int>(__cvta_generic_to_shared(empty_bar));
 
+#if DYNAMIC
+    const unsigned int tfull0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_full));
+    const unsigned int tempty0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_empty));
+#endif
     if (tid == 0) {
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, LOADERS + 1);  // the loader threads' copies + the TMA issue
             mbar_init(empty0 + 8 * s, 8);      // one arrival per MMA warp
         }
+#if DYNAMIC
+        for (int j = 0; j < 2; ++j) {
+            mbar_init(tfull0 + 8 * j, 1);   // loader thread 0's publication
+            mbar_init(tempty0 + 8 * j, 8);  // every MMA warp has read the id
+        }
+#endif
     }
     __syncthreads();
 
@@ -304,7 +344,22 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #if SETMAXNREG
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
 #endif
-        for (unsigned int ti = first_tile; ti < all_tiles; ti += tile_step) {
+        for (unsigned int claim = 0;; ++claim) {
+#if DYNAMIC
+            if (lt == 0) {
+                const unsigned int slot = claim & 1;
+                if (claim >= 2) mbar_wait(tempty0 + 8 * slot, ((claim >> 1) - 1) & 1);
+                tile_ring[slot] = claim == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);
+                mbar_arrive(tfull0 + 8 * slot);
+            }
+            // Every loader thread reads the slot before thread 0 refills it two claims later (after
+            // the next claim's barrier).
+            asm volatile("bar.sync 2, %0;\n" ::"n"(LOADERS) : "memory");
+            const unsigned int ti = tile_ring[claim & 1];
+#else
+            const unsigned int ti = first_tile + claim * tile_step;
+#endif
+            if (ti >= all_tiles) break;
             const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
             if (tile.m0 >= busy || tile.ktiles == 0) continue;
             const unsigned int e = block_experts[tile.rb];
@@ -356,7 +411,15 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
 #endif
     const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
-    for (unsigned int ti = first_tile; ti < all_tiles; ti += tile_step) {
+    for (unsigned int claim = 0;; ++claim) {
+#if DYNAMIC
+        mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
+        const unsigned int ti = tile_ring[claim & 1];
+        warp_arrive(tempty0 + 8 * (claim & 1), lane);
+#else
+        const unsigned int ti = first_tile + claim * tile_step;
+#endif
+        if (ti >= all_tiles) break;
         const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
         if (tile.m0 >= busy || tile.ktiles == 0) continue;
         const unsigned int e = block_experts[tile.rb];

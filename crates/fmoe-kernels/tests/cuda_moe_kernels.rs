@@ -713,7 +713,8 @@ fn swap_ab_route_blocks_match_the_cpu_twin() {
 /// average (every scheme runs 64-route blocks there by the rule, or the block the device script
 /// forces with `FMOE_DEV_SWAPAB_BN`), K = 1040 and N = 4000 (GEMM1 about 13 route blocks × 32 N
 /// tiles, over 400 tiles on 132 SMs; GEMM2 13 × 5 tiles split over K, persistent with
-/// `FMOE_DEV_SWAPAB_PERSIST=on|rb`). Against the CPU twin.
+/// `FMOE_DEV_SWAPAB_PERSIST=on|rb|dyn`; `dyn|dyn1` claim the tiles from a counter). Against the
+/// CPU twin.
 #[test]
 fn persistent_swap_ab_blocks_walk_many_tiles() {
     if !hopper_or_skip("the swap-AB GEMM") {

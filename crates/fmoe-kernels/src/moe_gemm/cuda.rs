@@ -1166,8 +1166,19 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         b_map = weight_tensor_map(op, g.w, TmaElem::Bf16, rows, g.kd, box_rows)?;
         b.arg(&b_map);
     }
+    let swap_counter;
     if cfg.kind == GemmKind::SwapAb && persistent {
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
+        if super::cuda_fp8::swapab_dynamic(cfg.bm, g.mode) {
+            // The dynamic schedule's tile counter (zeroed per launch).
+            swap_counter = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                1,
+            )?;
+            b.arg(swap_counter.buffer());
+        }
     }
     let counter;
     if let GemmKind::Sm90Pipe { dynamic, .. } = cfg.kind {
@@ -1200,7 +1211,8 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     // `SwapAb` takes the tensor map (boxes of 128 rows); its grid puts the route blocks (at most
     // the slots' blocks) in x, the N tiles in y and the K splits in z, or, persistent (`-D
     // PERSISTENT=1`), walks that tile space with at most one block per SM, whose three u32
-    // (route blocks, N tiles, splits) follow the map.
+    // (route blocks, N tiles, splits) follow the map, and with `-D DYNAMIC=1` a zeroed u32 tile
+    // counter after them.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm_bf16: launch", e))?;
     Ok(())
 }

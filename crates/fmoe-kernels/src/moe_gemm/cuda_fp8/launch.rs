@@ -333,9 +333,20 @@ pub(super) fn launch(
         b_map = weight_tensor_map(op, g.weight.q, TmaElem::Fp8, rows, g.kd, 128)?;
         b.arg(&b_map);
     }
+    let swap_counter;
     if persistent_swap_ab {
         // The tile space in the kernel's order: route blocks (fastest), N tiles, K splits.
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
+        if super::swapab_dynamic(cfg.bm, g.mode) {
+            // The dynamic schedule's tile counter (zeroed per launch).
+            swap_counter = crate::elementwise::cuda::zeros_chain(
+                "moe chain: zero fill",
+                backend,
+                DType::U32,
+                1,
+            )?;
+            b.arg(swap_counter.buffer());
+        }
     }
     let counter;
     if cfg.ws {
@@ -367,7 +378,7 @@ pub(super) fn launch(
     // block per SM walks, and a zeroed u32 tile counter. Swap-AB variants take the tensor map;
     // their grids put the route blocks (at most the slots' blocks) in x and the N tiles in y, or,
     // persistent, walk that space with at most one block per SM, whose three u32 (route blocks, N
-    // tiles, splits) follow the map.
+    // tiles, splits) follow the map, and with `-D DYNAMIC=1` a zeroed u32 tile counter after them.
     unsafe { b.launch(launch) }.map_err(|e| cuda_error("moe_gemm fp8: launch", e))?;
     Ok(())
 }

@@ -362,9 +362,19 @@ pub fn swapab_persistent(bn: usize, mode: u32) -> bool {
     bn >= 64
         && match swapab_persist_mode() {
             PersistMode::Off => false,
-            PersistMode::Gemm1 => mode == 1,
-            PersistMode::NFastest | PersistMode::RouteBlocksFastest => true,
+            PersistMode::Gemm1 | PersistMode::DynamicGemm1 => mode == 1,
+            PersistMode::NFastest | PersistMode::RouteBlocksFastest | PersistMode::Dynamic => true,
         }
+}
+
+/// Whether a persistent swap-AB launch of `mode` claims its tiles from a global counter
+/// (`-D DYNAMIC=1`; a dev experiment, [`DEV_SWAPAB_PERSIST_ENV`]`=dyn|dyn1`).
+pub fn swapab_dynamic(bn: usize, mode: u32) -> bool {
+    swapab_persistent(bn, mode)
+        && matches!(
+            swapab_persist_mode(),
+            PersistMode::Dynamic | PersistMode::DynamicGemm1
+        )
 }
 
 /// [`DEV_SWAPAB_PERSIST_ENV`]'s choice.
@@ -377,6 +387,10 @@ pub(in crate::moe_gemm) enum PersistMode {
     NFastest,
     /// Both GEMMs persistent, route blocks fastest (the per-tile grid's order).
     RouteBlocksFastest,
+    /// Both GEMMs persistent, tiles claimed from a global counter.
+    Dynamic,
+    /// GEMM1 persistent with tiles claimed from a global counter, GEMM2 a block per tile.
+    DynamicGemm1,
 }
 
 pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
@@ -386,10 +400,12 @@ pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
         Ok("off") => PersistMode::Off,
         Ok("on") => PersistMode::NFastest,
         Ok("rb") => PersistMode::RouteBlocksFastest,
+        Ok("dyn") => PersistMode::Dynamic,
+        Ok("dyn1") => PersistMode::DynamicGemm1,
         Ok(v) => {
             eprintln!(
-                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not \"gemm1\", \"on\", \"off\" or \"rb\"; \
-                 using the default"
+                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
+                 dyn1; using the default"
             );
             PersistMode::Gemm1
         }
@@ -409,12 +425,16 @@ pub(in crate::moe_gemm) fn swapab_persist_defines(
     if persistent && swapab_persist_mode() == PersistMode::RouteBlocksFastest {
         d.push(("ROUTE_BLOCKS_FASTEST", "1".to_string()));
     }
+    if swapab_dynamic(bn, mode) {
+        d.push(("DYNAMIC", "1".to_string()));
+    }
     d
 }
 
-/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=<gemm1|on|off|rb>` = persistent swap-AB GEMM1 only (the
-/// default), both GEMMs, neither (a block per tile), both with route blocks fastest
-/// ([`swapab_persistent`]; read once per process; not a user setting).
+/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=<gemm1|on|off|rb|dyn|dyn1>` = persistent swap-AB GEMM1 only
+/// (the default), both GEMMs, neither (a block per tile), both with route blocks fastest, both
+/// claiming tiles from a counter, GEMM1 only claiming ([`swapab_persistent`], [`swapab_dynamic`];
+/// read once per process; not a user setting).
 pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
 
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
