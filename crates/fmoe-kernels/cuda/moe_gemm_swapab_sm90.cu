@@ -15,15 +15,15 @@
 // (moe_align with BLOCK_M = BN), the accumulator D[weight row, route] = the transposed output tile.
 // BN (-D BN) = 16 below 16 routes per expert on average, 32 from 16 to below 25 (the host rule,
 // moe_gemm/cuda_fp8/mod.rs: one block holds nearly every expert's routes there, two blocks per
-// SM); 64 from 25 to below 49 (block-scaled: 57), one block per SM with a loader warpgroup and,
-// GEMM1, PERSISTENT=1 (below); 128 (bf16 keeping one wgmma group in flight, fp8 one partial for
+// SM); 64 from 25 to below 49 (block-scaled: 57), one block per SM with a loader warpgroup and
+// PERSISTENT=1 DYNAMIC=1 (below); 128 (bf16 keeping one wgmma group in flight, fp8 one partial for
 // both slabs and setmaxnreg 40 / 232) through a dev knob only.
 // The BN = 16 CUBINs are byte-identical to those before BN existed.
 //
 // Tile: 256 weight rows x BN routes, the whole K range (MODE 1) or a split of it (MODE 2). A CTA
 // runs one tile (grid: route blocks, N tiles, splits) or, PERSISTENT=1, walks the tile space (N
 // tiles fastest, then the busy route blocks, then splits; ROUTE_BLOCKS_FASTEST=1 swaps the first
-// two) with a stride of gridDim.x = one block per SM: the ring and its phases continue across
+// two) with one block per SM, striding by gridDim.x or, DYNAMIC=1, claiming tiles: the ring and its phases continue across
 // tiles, so the loader fills the next tile's stages while the MMA warps run this one's epilogue,
 // and N tiles fastest read a route block's activations once from DRAM. 288 threads (BN >= 64:
 // 384): warpgroups 0 and 1 multiply, warp 8 (BN >= 64: warps 8-11) loads. Per 128-byte K step
@@ -61,7 +61,8 @@
 // aligned by moe_align with BLOCK_M = BN. Launch: grid (route blocks, ceil(n_out / (MODE 1 ? 128 :
 // 256)), MODE 1 ? 1 : splits) (route blocks fastest, so the blocks of one expert run together and
 // share its weight tiles in L2), or PERSISTENT=1: at most one block per SM, the same three counts
-// as trailing arguments (m_blocks, n_tiles, splits); NTHREADS threads, dynamic shared memory
+// as trailing arguments (m_blocks, n_tiles, splits) and, DYNAMIC=1, a u32 tile counter zeroed by
+// the host; NTHREADS threads, dynamic shared memory
 // STAGES * (256 + BN) * 128 + 1024.
 
 #include <cuda_bf16.h>
@@ -90,18 +91,19 @@
 #define BN 16    // routes per tile (wgmma N): 16, 32, 64 or 128
 #endif
 // PERSISTENT=1: one block per SM walks the tile space (see "Tile" above; the host sets it for
-// GEMM1 from BN = 64 on, where a block fills the SM); ROUTE_BLOCKS_FASTEST=1 orders that walk as
-// the per-tile grid (a dev experiment).
+// both GEMMs from BN = 64 on, where a block fills the SM); ROUTE_BLOCKS_FASTEST=1 orders that walk
+// as the per-tile grid (a dev experiment).
 #ifndef PERSISTENT
 #define PERSISTENT 0
 #endif
 #ifndef ROUTE_BLOCKS_FASTEST
 #define ROUTE_BLOCKS_FASTEST 0
 #endif
-// DYNAMIC=1 (PERSISTENT only, a dev experiment): block b takes tile b first, then the next id of a
-// global counter (from gridDim.x on; zeroed by the host), as the warp-specialized kernels do:
+// DYNAMIC=1 (PERSISTENT only; the host's default): block b takes tile b first, then the next id
+// of a global counter (from gridDim.x on; zeroed by the host), as the warp-specialized kernels do:
 // loader thread 0 claims and hands the id to the other loader threads (named barrier 2) and to
-// the MMA warps (a two-slot ring with its own mbarriers), so faster SMs take more tiles.
+// the MMA warps (a two-slot ring with its own mbarriers), so faster SMs take more tiles (with the
+// stride, GEMM2 ran slower persistent than a block per tile: the slowest SM's share decided).
 #ifndef DYNAMIC
 #define DYNAMIC 0
 #endif

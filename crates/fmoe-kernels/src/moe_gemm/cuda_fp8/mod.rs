@@ -351,13 +351,15 @@ pub const fn swapab_threads(bn: usize) -> u32 {
 }
 
 /// Whether swap-AB launches of `mode` (1 = GEMM1, 2 = GEMM2) with route block `bn` walk their
-/// tiles with one persistent block per SM (`-D PERSISTENT=1`, N tiles fastest): GEMM1 from 64
+/// tiles with one persistent block per SM (`-D PERSISTENT=1`, N tiles fastest): both GEMMs from 64
 /// routes on, where one block fills an SM, so a block's ring would otherwise drain and refill at
 /// every tile (its loader now runs into the next tile while the MMA warps finish this one), and
 /// N tiles fastest read each route block's activations once (ncu, DeepSeek-V3 fp8-block M = 1536:
-/// 8.3 → 7.8 GB from DRAM, GEMM1 2.00 → 1.88 ms). Not GEMM2, which ran slower persistent in
-/// either order (1.38 → 1.40-1.52 ms) with less DRAM traffic (BENCHMARKS.md, "persistent
-/// swap-AB"). Dev-only [`DEV_SWAPAB_PERSIST_ENV`] overrides.
+/// 8.3 → 7.8 GB from DRAM, GEMM1 2.00 → 1.88 ms). The tiles are claimed from a counter
+/// ([`swapab_dynamic`]): with a static stride GEMM2 ran slower persistent than a block per tile
+/// (1.38 → 1.40-1.52 ms), the slowest SM's share deciding; claimed, both GEMMs persistent beat
+/// GEMM1 alone on DeepSeek-V3 by 1.5-6 % (BENCHMARKS.md, "dynamic persistent swap-AB").
+/// Dev-only [`DEV_SWAPAB_PERSIST_ENV`] overrides.
 pub fn swapab_persistent(bn: usize, mode: u32) -> bool {
     bn >= 64
         && match swapab_persist_mode() {
@@ -368,7 +370,8 @@ pub fn swapab_persistent(bn: usize, mode: u32) -> bool {
 }
 
 /// Whether a persistent swap-AB launch of `mode` claims its tiles from a global counter
-/// (`-D DYNAMIC=1`; a dev experiment, [`DEV_SWAPAB_PERSIST_ENV`]`=dyn|dyn1`).
+/// (`-D DYNAMIC=1`, as the warp-specialized prefill kernels do): the default, and
+/// [`DEV_SWAPAB_PERSIST_ENV`]`=dyn|dyn1`; the strided schedule with `gemm1|on|rb`.
 pub fn swapab_dynamic(bn: usize, mode: u32) -> bool {
     swapab_persistent(bn, mode)
         && matches!(
@@ -387,7 +390,7 @@ pub(in crate::moe_gemm) enum PersistMode {
     NFastest,
     /// Both GEMMs persistent, route blocks fastest (the per-tile grid's order).
     RouteBlocksFastest,
-    /// Both GEMMs persistent, tiles claimed from a global counter.
+    /// Both GEMMs persistent, tiles claimed from a global counter (the default).
     Dynamic,
     /// GEMM1 persistent with tiles claimed from a global counter, GEMM2 a block per tile.
     DynamicGemm1,
@@ -396,18 +399,18 @@ pub(in crate::moe_gemm) enum PersistMode {
 pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
     static MODE: std::sync::OnceLock<PersistMode> = std::sync::OnceLock::new();
     *MODE.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
-        Err(_) | Ok("gemm1") => PersistMode::Gemm1,
+        Ok("gemm1") => PersistMode::Gemm1,
         Ok("off") => PersistMode::Off,
         Ok("on") => PersistMode::NFastest,
         Ok("rb") => PersistMode::RouteBlocksFastest,
-        Ok("dyn") => PersistMode::Dynamic,
+        Err(_) | Ok("dyn") => PersistMode::Dynamic,
         Ok("dyn1") => PersistMode::DynamicGemm1,
         Ok(v) => {
             eprintln!(
                 "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
-                 dyn1; using the default"
+                 dyn1; using the default (dyn)"
             );
-            PersistMode::Gemm1
+            PersistMode::Dynamic
         }
     })
 }
@@ -431,9 +434,10 @@ pub(in crate::moe_gemm) fn swapab_persist_defines(
     d
 }
 
-/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=<gemm1|on|off|rb|dyn|dyn1>` = persistent swap-AB GEMM1 only
-/// (the default), both GEMMs, neither (a block per tile), both with route blocks fastest, both
-/// claiming tiles from a counter, GEMM1 only claiming ([`swapab_persistent`], [`swapab_dynamic`];
+/// Dev-only: `FMOE_DEV_SWAPAB_PERSIST=<dyn|dyn1|gemm1|on|off|rb>` = both GEMMs persistent claiming
+/// tiles from a counter (the default), GEMM1 only claiming, persistent GEMM1 only with a static
+/// stride (the previous default), both strided, neither (a block per tile), both strided with
+/// route blocks fastest ([`swapab_persistent`], [`swapab_dynamic`];
 /// read once per process; not a user setting).
 pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
 
@@ -536,21 +540,22 @@ fn dev_raster_gm() -> Option<usize> {
 
 /// Whether the warp-specialized kernel of `scheme` lets its second MMA warpgroup skip a tile whose
 /// rows 64.. are all padding (`-D SKIP_PAD_WG`: an expert's last block of at most 64 routes; the
-/// first warpgroup multiplies it alone): block-scaled by default, whose MMA warps bound it, so
-/// half a tile's multiplies and promotions go (H200: BENCHMARKS.md, "a lone warpgroup"). Dev-only
-/// `FMOE_DEV_FP8_LONE_WG=<block|all|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
+/// first warpgroup multiplies it alone), both schemes: the block-scaled kernel's MMA warps bound
+/// it, so half such a tile's multiplies and promotions go (H200, DeepSeek-V3 M = 2048-16384:
+/// 1.02-1.05×; per-tensor 1.00-1.04×, BENCHMARKS.md, "a lone warpgroup"). Dev-only
+/// `FMOE_DEV_FP8_LONE_WG=<all|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
 fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
     static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
     let (tensor, block) = *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LONE_WG_ENV).as_deref() {
-        Err(_) | Ok("block") => (false, true),
-        Ok("all") => (true, true),
+        Ok("block") => (false, true),
+        Err(_) | Ok("all") => (true, true),
         Ok("off") => (false, false),
         Ok(other) => {
             eprintln!(
-                "fmoe: {DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"block\", \"all\", \"off\"]; \
-                 using block"
+                "fmoe: {DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"all\", \"block\", \"off\"]; \
+                 using all"
             );
-            (false, true)
+            (true, true)
         }
     });
     match scheme {
