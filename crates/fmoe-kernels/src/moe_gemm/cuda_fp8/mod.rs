@@ -964,15 +964,23 @@ mod tests {
             // Warp-specialized: 128 × 256 tiles only.
             assert!(!c.ws || (c.bm, c.wg_n) == (128, 256), "{c:?}");
         }
+        let mut want = vec![
+            ("MODE", "1".to_string()),
+            ("BLOCK_SCALED", "1".to_string()),
+            ("STAGES", "4".to_string()),
+            ("RASTER_GM", "16".to_string()),
+            ("ORDER_MMA", "1".to_string()),
+        ];
+        // The lone warpgroup (default on, both schemes) on the halves, never on the quarters.
+        let lone = ("SKIP_PAD_WG", "1".to_string());
+        if lone_warpgroup(Fp8Scheme::Block) {
+            want.push(lone.clone());
+        }
+        assert_eq!(FP8_BLOCK_LARGE.defines(1), want);
+        assert!(!FP8_BLOCK_LARGE_QUARTERS.defines(1).contains(&lone));
         assert_eq!(
-            FP8_BLOCK_LARGE.defines(1),
-            [
-                ("MODE", "1".to_string()),
-                ("BLOCK_SCALED", "1".to_string()),
-                ("STAGES", "4".to_string()),
-                ("RASTER_GM", "16".to_string()),
-                ("ORDER_MMA", "1".to_string())
-            ]
+            FP8_TENSOR_LARGE.defines(2).contains(&lone),
+            lone_warpgroup(Fp8Scheme::PerTensor)
         );
         // The default: the ordered halves in both GEMMs; the unordered halves and the quarters
         // stay catalog variants (the previous default's two CUBINs are among theirs).
@@ -1021,15 +1029,19 @@ mod tests {
             .filter(|n| n.starts_with(&format!("{WS_FAMILY}/{BLOCK_ENTRY}[")))
             .count();
         assert_eq!(ws_block, 9);
-        // The unordered halves: the same source without either define.
+        // The unordered halves: the same source without either schedule define.
         assert_eq!(
-            FP8_BLOCK_LARGE_HALVES.defines(2),
+            FP8_BLOCK_LARGE_HALVES.defines(2)[..4],
             [
                 ("MODE", "2".to_string()),
                 ("BLOCK_SCALED", "1".to_string()),
                 ("STAGES", "4".to_string()),
                 ("RASTER_GM", "16".to_string())
             ]
+        );
+        assert_eq!(
+            FP8_BLOCK_LARGE_HALVES.defines(2).len(),
+            4 + usize::from(lone_warpgroup(Fp8Scheme::Block))
         );
         for c in ALL {
             // Only the block-scaled warp-specialized kernel pipelines its promotion.
