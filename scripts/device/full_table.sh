@@ -2,8 +2,8 @@
 # Device side of a final check (run by the device tool in the repository root; results under
 # $OUT): the peers' ceilings and timings, fmoe's full table (every shape × method × M of issues 3
 # and 4, fused), fused vs portable at 1, 64, 4096, two more rounds of the Mixtral-8x7B fp8 / bf16
-# ratio and of DeepSeek-V3 fp8-block at 1-2048, every GPU test binary, and compute-sanitizer on
-# the MoE kernels. Tables from the results: scripts/device/tables.py full DIR.
+# ratio, of DeepSeek-V3 fp8-block at 1-2048 and of bf16's large-M rows, every GPU test binary, and
+# compute-sanitizer on the MoE kernels. Tables from the results: scripts/device/tables.py full DIR.
 #
 #   bash scripts/device/full_table.sh NAME      (after scripts/device/bundle.sh NAME)
 set -u
@@ -31,6 +31,8 @@ for r in 1 2; do
     --tokens 1,2,4,8,16,32,64,128,256 --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
   $B bench moe --device cuda --shape deepseek-v3 --method fp8-block --kernel fused --tokens 1,1024,1536,2048 \
     --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
+  $B bench moe --device cuda --shape mixtral-8x7b,deepseek-v3 --method unquantized --kernel fused \
+    --tokens 512,1024,4096,8192,16384 --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
 done
 stamp "ratio rc=$?"
 for b in "$D"/bin/tests/*; do
@@ -54,6 +56,12 @@ san synccheck cuda_moe mixed_tile_edges
 san memcheck cuda_moe_kernels persistent_swap_ab
 san racecheck cuda_moe_kernels persistent_swap_ab
 san synccheck cuda_moe_kernels persistent_swap_ab
+# The promotion test's child alone (experts whose last blocks leave the second MMA warpgroup idle).
+export FMOE_TEST_PROMOTION_DUMP=/tmp/promotion.bin
+for tool in memcheck racecheck synccheck; do
+  san $tool cuda_fp8_promotion promotion_schedules_give_the_same_bits
+done
+unset FMOE_TEST_PROMOTION_DUMP
 stamp "sanitizers done"
 # The device tool returns at most 8 files: the logs go back compressed.
 gzip -f "$T" "$L"

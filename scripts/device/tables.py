@@ -4,7 +4,7 @@
 
     tables.py full DIR          every shape × method × M of DIR/fused.jsonl beside the peers
                                 (DIR/peers.jsonl), fused vs portable (DIR/portable.jsonl), the
-                                fp8 / bf16 ratio and the DeepSeek-V3 fp8-block rounds
+                                fp8 / bf16 ratio, the DeepSeek-V3 fp8-block and bf16 large-M rounds
                                 (DIR/ratio.jsonl): what scripts/device/full_table.sh writes
     tables.py ab DIR a,b,...    A/B medians of DIR/bench_<name>_r<k>.jsonl per (shape, method, M):
                                 each setting's rounds, median, TFLOP/s and ×floor, and the ratios
@@ -87,6 +87,16 @@ def full(d):
             fl = v[0]["floor_ms"]
             t = [r["ms"] for r in v]
             print(f"| {n} | {fl:.3f} | {', '.join(f'{x:.3f}' for x in t)} | {statistics.median(t) / fl:.2f} |")
+    print("\nbf16 large-M rounds (floors of the full table's run):\n")
+    print("| shape | M | floor ms | ms (rounds) | median ×floor |")
+    print("|---|---|---|---|---|")
+    for s in ["mixtral-8x7b", "deepseek-v3"]:
+        for n in [512, 1024, 4096, 8192, 16384]:
+            v = rounds[(s, "unquantized", n)]
+            if len(v) > 1:
+                fl = v[0]["floor_ms"]
+                t = [r["ms"] for r in v]
+                print(f"| {s} | {n} | {fl:.3f} | {', '.join(f'{x:.3f}' for x in t)} | {statistics.median(t) / fl:.2f} |")
 
 
 def ab(d, names):
