@@ -15,7 +15,7 @@ rm -rf "$dir/bin" "$dir/bin.tar.xz"
 mkdir -p "$dir/bin/tests" .peers
 cargo build --release --quiet
 cargo test --release --workspace --no-run --message-format=json 2>/dev/null \
-  | jq -r 'select(.executable != null) | [.target.name, .executable] | @tsv' \
+  | jq -r 'select(.executable != null and .profile.test) | [.target.name, .executable] | @tsv' \
   | while IFS=$'\t' read -r target exe; do
       if [[ $target =~ $filter ]]; then cp "$exe" "$dir/bin/tests/$target"; fi
     done
