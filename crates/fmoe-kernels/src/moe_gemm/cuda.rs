@@ -971,6 +971,12 @@ pub(super) struct GemmGrid {
     pub(super) n_out: u32,
 }
 
+/// A zeroed u32 tile counter for one launch of a GEMM that claims its tiles (the persistent
+/// kernels' dynamic schedule: one increment per claimed tile).
+pub(super) fn tile_counter(backend: &Arc<CudaBackend>) -> Result<CudaStorage> {
+    crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)
+}
+
 /// The grid of a persistent GEMM over the tile space `(n_tiles, m_blocks, splits)`: at most one
 /// block per SM (each walks the tiles in the kernel's own order).
 pub(super) fn persistent_grid(
@@ -1170,13 +1176,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     if cfg.kind == GemmKind::SwapAb && persistent {
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
         if super::cuda_fp8::swapab_dynamic(cfg.bm, g.mode) {
-            // The dynamic schedule's tile counter (zeroed per launch).
-            swap_counter = crate::elementwise::cuda::zeros_chain(
-                "moe chain: zero fill",
-                backend,
-                DType::U32,
-                1,
-            )?;
+            swap_counter = tile_counter(backend)?;
             b.arg(swap_counter.buffer());
         }
     }
@@ -1184,12 +1184,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     if let GemmKind::Sm90Pipe { dynamic, .. } = cfg.kind {
         b.arg(&n_tiles32).arg(&m_blocks32).arg(&splits32);
         if dynamic {
-            counter = crate::elementwise::cuda::zeros_chain(
-                "moe chain: zero fill",
-                backend,
-                DType::U32,
-                1,
-            )?;
+            counter = tile_counter(backend)?;
             b.arg(counter.buffer());
         } else {
             b.arg(&null);

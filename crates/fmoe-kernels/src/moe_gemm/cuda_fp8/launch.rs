@@ -3,13 +3,13 @@
 
 use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
-use fmoe_core::{DType, Device, Storage, Tensor};
+use fmoe_core::{Device, Storage, Tensor};
 
 use super::support::{check_arch, pair_scheme};
 use super::{Fp8GemmConfig, Fp8Scheme};
 use crate::launch::{cuda_storage, opt_in_smem};
 use crate::moe_align::AlignedRoutes;
-use crate::moe_gemm::cuda::{GemmGrid, gemm_grid, persistent_grid};
+use crate::moe_gemm::cuda::{GemmGrid, gemm_grid, persistent_grid, tile_counter};
 use crate::moe_gemm::tma::{TmaElem, weight_tensor_map};
 use crate::moe_gemm::{ActOperand, WeightOperand};
 use crate::{Error, Result};
@@ -338,21 +338,14 @@ pub(super) fn launch(
         // The tile space in the kernel's order: route blocks (fastest), N tiles, K splits.
         b.arg(&m_blocks32).arg(&n_tiles32).arg(&splits32);
         if super::swapab_dynamic(cfg.bm, g.mode) {
-            // The dynamic schedule's tile counter (zeroed per launch).
-            swap_counter = crate::elementwise::cuda::zeros_chain(
-                "moe chain: zero fill",
-                backend,
-                DType::U32,
-                1,
-            )?;
+            swap_counter = tile_counter(backend)?;
             b.arg(swap_counter.buffer());
         }
     }
     let counter;
     if cfg.ws {
         // The tile space and the tile counter (zeroed per launch, one increment per claimed tile).
-        counter =
-            crate::elementwise::cuda::zeros_chain("moe chain: zero fill", backend, DType::U32, 1)?;
+        counter = tile_counter(backend)?;
         b.arg(&n_tiles32)
             .arg(&m_blocks32)
             .arg(&splits32)
