@@ -44,9 +44,9 @@ fn bits(t: &Tensor, out: &mut Vec<u8>) {
 }
 
 /// The child's work: one block-scaled GEMM1 + GEMM2 on the large (128-route) tiles. E = 4, top-1,
-/// M = 1024 with 40, 300, 193 and 491 routes per expert (last blocks of 40, 44, 65 and 107 routes:
-/// two all-padding second halves, two live ones); K = 1040 (GEMM1: 9 K blocks, odd, the last ragged; GEMM2's
-/// output ragged past 4 tiles of 256); N = 400 (N % 128 = 16: GEMM1's up rows straddle two weight
+/// M = 1024 with 40, 300, 193 and 491 routes per expert (last blocks of 40, 44, 65 and 107
+/// routes: two all-padding second halves, two live ones); K = 1040 (GEMM1: 9 K blocks, odd, the
+/// last ragged; GEMM2's output ragged past 4 tiles of 256); N = 400 (N % 128 = 16: GEMM1's up rows straddle two weight
 /// blocks; GEMM2: 4 K blocks, one 2- or 4-block iteration).
 fn run_child(path: &Path) {
     let _b = test_backend_or_skip().expect("a child runs only where its parent found the GPU");

@@ -38,7 +38,8 @@
 //!   routes per expert the same kernels with 32-route blocks (m64n32k32; [`swapab_route_block`]),
 //!   GEMM2 unsplit once its grid fills a wave; from 25 to below [`SWAPAB_WIDE_ROUTES_PER_EXPERT`]
 //!   = 49 (block-scaled: [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`] = 57) with 64-route blocks, one
-//!   block per SM, GEMM1 on a persistent grid ([`swapab_route_block_for`], [`swapab_persistent`]);
+//!   block per SM, both GEMMs on a persistent grid claiming tiles from a counter
+//!   ([`swapab_route_block_for`], [`swapab_persistent`], [`swapab_dynamic`]);
 //! - block, large ([`FP8_BLOCK_LARGE`]): the warp-specialized source with `BLOCK_SCALED=1`, 128 ×
 //!   256 tiles, promotion per 128-wide K block: each MMA warpgroup multiplies the tile's two
 //!   128-row halves into a 64-register partial in turn, waits for and promotes each, and the two
@@ -46,7 +47,8 @@
 //!   232), A's group scales carried in the stage by the loaders. The other promotion schedules
 //!   ([`FP8_BLOCK_LARGE_HALVES`]: unordered; [`FP8_BLOCK_LARGE_QUARTERS`]: 64-row quarters, each
 //!   promoted while the next multiplies) give the same bits; on the H200 the ordered halves match
-//!   or beat both (BENCHMARKS.md, "ordered issue").
+//!   or beat both (BENCHMARKS.md, "ordered issue"). In both large variants a tile whose rows 64..
+//!   are all padding is multiplied by one warpgroup ([`lone_warpgroup`]).
 //!
 //! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
