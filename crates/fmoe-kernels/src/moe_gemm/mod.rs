@@ -52,8 +52,8 @@ pub use cuda_fp8::{
     FP8_BLOCK_SCALED, FP8_BLOCK_SWAPAB, FP8_K_MULTIPLE as CUDA_FP8_K_MULTIPLE, FP8_TENSOR_LARGE,
     FP8_TENSOR_SMALL, FP8_TENSOR_SWAPAB, FP8_TENSOR_SYNC, Fp8GemmConfig, Fp8Scheme,
     SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT, SWAPAB_MID_ROUTES_PER_EXPERT, SWAPAB_ROUTE_BLOCKS,
-    SWAPAB_ROUTES_PER_EXPERT, SWAPAB_WIDE_ROUTES_PER_EXPERT, swapab_persistent, swapab_route_block,
-    swapab_route_block_for, swapab_stages,
+    SWAPAB_ROUTES_PER_EXPERT, SWAPAB_WIDE_ROUTES_PER_EXPERT, swapab_dynamic, swapab_persistent,
+    swapab_route_block, swapab_route_block_for, swapab_stages,
 };
 pub use operand::{ActOperand, ActQuant, ActScale, QBLOCK, WeightOperand};
 

@@ -566,7 +566,7 @@ fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
     }
 }
 
-/// Dev-only knob of [`lone_warpgroup`] (read once per process; not a user setting).
+/// Dev-only knob of `lone_warpgroup` (read once per process; not a user setting).
 pub const DEV_FP8_LONE_WG_ENV: &str = "FMOE_DEV_FP8_LONE_WG";
 
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
