@@ -7,6 +7,7 @@
 #
 #   bash scripts/device/full_table.sh NAME      (after scripts/device/bundle.sh NAME)
 set -u
+# Every step has its own timeout: a kernel that hangs costs one step, not the call.
 D=.device/${1:?usage: full_table.sh NAME}; O=$OUT
 S=$O/summary.txt; T=$O/tests.log; L=$O/bench.log
 t0=$(date +%s)
@@ -20,18 +21,18 @@ SHAPES=mixtral-8x7b,mixtral-8x22b,deepseek-v3
 timeout 200 python3 .peers/moe_peers.py --shapes $SHAPES --modes bf16,fp8-tensor --tokens $TOK \
   --json "$O/peers.jsonl" > "$O/peers.log" 2>&1
 stamp "peers rc=$?"
-$B bench moe --device cuda --shape $SHAPES --kernel fused --tokens $TOK \
+timeout 240 $B bench moe --device cuda --shape $SHAPES --kernel fused --tokens $TOK \
   --ceilings-json "$O/peers.log" --json "$O/fused.jsonl" >> "$L" 2>&1
 stamp "fused rc=$?"
-$B bench moe --device cuda --shape $SHAPES --kernel fused,portable --tokens 1,64,4096 \
+timeout 120 $B bench moe --device cuda --shape $SHAPES --kernel fused,portable --tokens 1,64,4096 \
   --ceilings-json "$O/peers.log" --json "$O/portable.jsonl" >> "$L" 2>&1
 stamp "portable rc=$?"
 for r in 1 2; do
-  $B bench moe --device cuda --shape mixtral-8x7b --method unquantized,fp8-tensor --kernel fused \
+  timeout 60 $B bench moe --device cuda --shape mixtral-8x7b --method unquantized,fp8-tensor --kernel fused \
     --tokens 1,2,4,8,16,32,64,128,256 --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
-  $B bench moe --device cuda --shape deepseek-v3 --method fp8-block --kernel fused --tokens 1,1024,1536,2048 \
+  timeout 60 $B bench moe --device cuda --shape deepseek-v3 --method fp8-block --kernel fused --tokens 1,1024,1536,2048 \
     --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
-  $B bench moe --device cuda --shape mixtral-8x7b,deepseek-v3 --method unquantized --kernel fused \
+  timeout 90 $B bench moe --device cuda --shape mixtral-8x7b,deepseek-v3 --method unquantized --kernel fused \
     --tokens 512,1024,4096,8192,16384 --ceilings-json "$O/peers.log" --json "$O/ratio.jsonl" >> "$L" 2>&1
 done
 stamp "ratio rc=$?"
