@@ -160,7 +160,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int ch = tid & 7;
 #if DYNAMIC
         for (unsigned int j = 0;; ++j) {
-            // Claim the block's j-th tile and publish it to the loaders and the MMA warps.
+            // Claim the block's j-th tile and publish it to the loaders and the MMA warps (what
+            // common/sm90_pipeline.cuh's tile_claim / tile_receive do for the fp8 and swap-AB
+            // kernels; written out here until a GPU run checks the CUBIN the helpers give: ptxas
+            // assigns its registers differently).
             if (tid == 0) {
                 if (j >= 2) mbar_wait(tempty0 + 8 * (j & 1), ((j >> 1) - 1) & 1);
                 tile_ring[j & 1] = j == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);

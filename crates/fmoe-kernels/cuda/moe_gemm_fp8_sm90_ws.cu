@@ -263,12 +263,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         unsigned int my_row;  // the gathered A row of tile row tid
         for (unsigned int claim = 0;; ++claim) {
             // Claim the block's claim-th tile and publish it to the loaders and the MMA warps.
-            if (tid == 0) {
-                const unsigned int slot = claim & 1;
-                if (claim >= 2) mbar_wait(tempty0 + 8 * slot, ((claim >> 1) - 1) & 1);
-                tile_ring[slot] = claim == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);
-                mbar_arrive(tfull0 + 8 * slot);
-            }
+            if (tid == 0) tile_claim(claim, tile_ring, tfull0, tempty0, tile_counter);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             const unsigned int tl = tile_ring[claim & 1];
             // Every loader has read slot claim & 1 before thread 0 may refill it (two claims later,
@@ -378,9 +373,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     if (cw == 1) mma_turn_pass(cw);  // warpgroup 0 issues first
 #endif
     for (unsigned int claim = 0;; ++claim) {
-        mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
-        const unsigned int tl = tile_ring[claim & 1];
-        warp_arrive(tempty0 + 8 * (claim & 1), lane);
+        const unsigned int tl = tile_receive(claim, tile_ring, tfull0, tempty0, lane);
         if (tl >= tiles) {
 #if ORDER_MMA
             if (cw == 0) mma_turn_wait(cw);  // warpgroup 1's last pass: every arrival is waited for

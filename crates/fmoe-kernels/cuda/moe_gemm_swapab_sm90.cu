@@ -348,12 +348,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #endif
         for (unsigned int claim = 0;; ++claim) {
 #if DYNAMIC
-            if (lt == 0) {
-                const unsigned int slot = claim & 1;
-                if (claim >= 2) mbar_wait(tempty0 + 8 * slot, ((claim >> 1) - 1) & 1);
-                tile_ring[slot] = claim == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);
-                mbar_arrive(tfull0 + 8 * slot);
-            }
+            if (lt == 0) tile_claim(claim, tile_ring, tfull0, tempty0, tile_counter);
             // Every loader thread reads the slot before thread 0 refills it two claims later (after
             // the next claim's barrier).
             asm volatile("bar.sync 2, %0;\n" ::"n"(LOADERS) : "memory");
@@ -415,9 +410,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const unsigned int rr = (warp & 3) * 16 + g;  // slab row of part[.. + 2h + ..] for h = 0 (+8 for h = 1)
     for (unsigned int claim = 0;; ++claim) {
 #if DYNAMIC
-        mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
-        const unsigned int ti = tile_ring[claim & 1];
-        warp_arrive(tempty0 + 8 * (claim & 1), lane);
+        const unsigned int ti = tile_receive(claim, tile_ring, tfull0, tempty0, lane);
 #else
         const unsigned int ti = first_tile + claim * tile_step;
 #endif

@@ -56,4 +56,27 @@ __device__ __forceinline__ void tma_load_2d(unsigned int dst, const TmaDesc* map
         : "memory");
 }
 
+// The claimed-tile schedule of the persistent GEMMs: one thread claims the block's tiles (the
+// first is blockIdx.x, then gridDim.x + the next value of a global counter the host zeroed) and
+// hands each id to the MMA warps through a two-slot ring of ids with a full barrier (count 1) and
+// an empty one (one arrival per MMA warp) per slot, so it can claim the next tile while they run
+// this one. tfull0 / tempty0: the shared addresses of the two full / empty barriers.
+// The claiming thread: the block's claim-th id into slot claim & 1, once the MMA warps read what
+// that slot held two claims before.
+__device__ __forceinline__ void tile_claim(unsigned int claim, unsigned int* ring, unsigned int tfull0,
+                                           unsigned int tempty0, unsigned int* counter) {
+    const unsigned int slot = claim & 1;
+    if (claim >= 2) mbar_wait(tempty0 + 8 * slot, ((claim >> 1) - 1) & 1);
+    ring[slot] = claim == 0 ? blockIdx.x : gridDim.x + atomicAdd(counter, 1u);
+    mbar_arrive(tfull0 + 8 * slot);
+}
+// An MMA warp: the block's claim-th id, its slot handed back.
+__device__ __forceinline__ unsigned int tile_receive(unsigned int claim, const unsigned int* ring,
+                                                     unsigned int tfull0, unsigned int tempty0, unsigned int lane) {
+    mbar_wait(tfull0 + 8 * (claim & 1), (claim >> 1) & 1);
+    const unsigned int t = ring[claim & 1];
+    warp_arrive(tempty0 + 8 * (claim & 1), lane);
+    return t;
+}
+
 #endif  // FMOE_COMMON_SM90_PIPELINE_CUH
