@@ -176,27 +176,28 @@ __device__ __forceinline__ unsigned int route_row(unsigned int rt, unsigned int 
 }
 
 // One tile: route block rb (its first slot m0), N tile nt (output columns n0 ..; weight rows of
-// the two TMA boxes half0, half1) and its share of the K steps.
+// the two TMA boxes half0, half1) and its share of the K steps; idle: no busy slots or no K steps
+// (both roles skip it alike).
 struct SwapTile {
     unsigned int rb, m0, nt, n0, half0, half1, kb0, ktiles;
+    bool idle;
 };
-#if PERSISTENT && DYNAMIC
-#define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits, unsigned int* tile_counter
-#define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
-#elif PERSISTENT
-#define SWAPAB_TILE_SPACE , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
-#define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
-#else
-#define SWAPAB_TILE_SPACE
-#define SWAPAB_TILE_SPACE_ARGS
-#endif
+// The persistent tile space (swap_tile's and the kernel's trailing parameters), and the kernel's
+// tile counter after it with DYNAMIC.
 #if PERSISTENT
 #define SWAP_TILE_PARAMS , unsigned int m_blocks, unsigned int n_tiles, unsigned int splits
+#define SWAPAB_TILE_SPACE_ARGS m_busy, n_tiles, splits,
 #else
 #define SWAP_TILE_PARAMS
+#define SWAPAB_TILE_SPACE_ARGS
+#endif
+#if DYNAMIC
+#define SWAPAB_TILE_SPACE SWAP_TILE_PARAMS, unsigned int* tile_counter
+#else
+#define SWAPAB_TILE_SPACE SWAP_TILE_PARAMS
 #endif
 __device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAP_TILE_PARAMS, unsigned int kblocks,
-                                              unsigned int n_out) {
+                                              unsigned int n_out, unsigned int busy) {
     SwapTile tile;
 #if PERSISTENT
 #if ROUTE_BLOCKS_FASTEST
@@ -226,6 +227,7 @@ __device__ __forceinline__ SwapTile swap_tile(unsigned int ti SWAP_TILE_PARAMS, 
     tile.half0 = tile.n0;
     tile.half1 = tile.n0 + 128;
 #endif
+    tile.idle = tile.m0 >= busy || tile.ktiles == 0;
     return tile;
 }
 
@@ -357,8 +359,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             const unsigned int ti = first_tile + claim * tile_step;
 #endif
             if (ti >= all_tiles) break;
-            const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
-            if (tile.m0 >= busy || tile.ktiles == 0) continue;
+            const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out, busy);
+            if (tile.idle) continue;
             const unsigned int e = block_experts[tile.rb];
             const int row0 = (int)(e * w_rows);
             // The activation row each of this thread's 16-byte copies gathers (held for the tile).
@@ -415,8 +417,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         const unsigned int ti = first_tile + claim * tile_step;
 #endif
         if (ti >= all_tiles) break;
-        const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out);
-        if (tile.m0 >= busy || tile.ktiles == 0) continue;
+        const SwapTile tile = swap_tile(ti, SWAPAB_TILE_SPACE_ARGS kblocks, n_out, busy);
+        if (tile.idle) continue;
         const unsigned int e = block_experts[tile.rb];
         const unsigned int m0 = tile.m0, n0 = tile.n0, half0 = tile.half0, half1 = tile.half1;
 #if ELEM_BF16
