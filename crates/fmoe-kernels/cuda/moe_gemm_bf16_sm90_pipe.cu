@@ -160,15 +160,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         const unsigned int ch = tid & 7;
 #if DYNAMIC
         for (unsigned int j = 0;; ++j) {
-            // Claim the block's j-th tile and publish it to the loaders and the MMA warps (what
-            // common/sm90_pipeline.cuh's tile_claim / tile_receive do for the fp8 and swap-AB
-            // kernels; written out here until a GPU run checks the CUBIN the helpers give: ptxas
-            // assigns its registers differently).
-            if (tid == 0) {
-                if (j >= 2) mbar_wait(tempty0 + 8 * (j & 1), ((j >> 1) - 1) & 1);
-                tile_ring[j & 1] = j == 0 ? blockIdx.x : gridDim.x + atomicAdd(tile_counter, 1u);
-                mbar_arrive(tfull0 + 8 * (j & 1));
-            }
+            // Claim the block's j-th tile and publish it to the loaders and the MMA warps.
+            if (tid == 0) tile_claim(j, tile_ring, tfull0, tempty0, tile_counter);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             const unsigned int t = tile_ring[j & 1];
             // The loaders have read slot j & 1 before thread 0 may refill it (two claims later,
@@ -239,9 +232,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     const unsigned int cm = BM == 64 ? 0 : cw, cn = BM == 64 ? cw : 0;
 #if DYNAMIC
     for (unsigned int j = 0;; ++j) {
-        mbar_wait(tfull0 + 8 * (j & 1), (j >> 1) & 1);
-        const unsigned int t = tile_ring[j & 1];
-        warp_arrive(tempty0 + 8 * (j & 1), lane);
+        const unsigned int t = tile_receive(j, tile_ring, tfull0, tempty0, lane);
         if (t >= tiles) break;
 #else
     for (unsigned int t = t_first; t < tiles; t += t_step) {

@@ -277,7 +277,8 @@ impl KernelCache {
             return Ok((f.clone(), Origin::Memory));
         }
         let (major, minor) = nvrtc_version().map_err(|e| with_family(e, family))?;
-        let options = options(backend.compute_capability(), &cuda_home(), spec.defines);
+        let mut options = options(backend.compute_capability(), &cuda_home(), spec.defines);
+        options.extend(dev_extra_defines(family));
         let key = cache_key(spec, &options, (major, minor));
         let map_key = (backend.ordinal(), key.clone());
         let found = self.lock().get(&map_key).cloned();
@@ -359,6 +360,38 @@ pub fn cache_dir_from(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Op
     var(FMOE_CACHE_DIR)
         .or_else(|| var("HOME").map(|h| h.join(".cache").join("fmoe")))
         .map(|root| root.join("nvrtc"))
+}
+
+/// Dev-only: `FMOE_DEV_EXTRA_DEFINES=<family>:<NAME>=<value>[,<NAME>=<value>...][;<family>:...]`
+/// appends `-D` options to every program of those families, for timing experiments with a
+/// kernel's diagnostic switches (read once per process; not a user setting; outputs may be wrong).
+pub const DEV_EXTRA_DEFINES_ENV: &str = "FMOE_DEV_EXTRA_DEFINES";
+
+fn dev_extra_defines(family: &str) -> Vec<String> {
+    static PARSED: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+    let all = PARSED.get_or_init(|| {
+        let Ok(v) = std::env::var(DEV_EXTRA_DEFINES_ENV) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for part in v.split(';').filter(|p| !p.is_empty()) {
+            match part.split_once(':') {
+                Some((fam, defs)) => {
+                    for d in defs.split(',').filter(|d| !d.is_empty()) {
+                        out.push((fam.to_string(), format!("-D{d}")));
+                    }
+                }
+                None => {
+                    eprintln!("fmoe: {DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored")
+                }
+            }
+        }
+        out
+    });
+    all.iter()
+        .filter(|(f, _)| f == family)
+        .map(|(_, d)| d.clone())
+        .collect()
 }
 
 /// `sm_XY`, with the `a` (architecture-specific features) suffix from compute capability 9 on.
