@@ -370,28 +370,31 @@ pub const DEV_EXTRA_DEFINES_ENV: &str = "FMOE_DEV_EXTRA_DEFINES";
 fn dev_extra_defines(family: &str) -> Vec<String> {
     static PARSED: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
     let all = PARSED.get_or_init(|| {
-        let Ok(v) = std::env::var(DEV_EXTRA_DEFINES_ENV) else {
-            return Vec::new();
-        };
-        let mut out = Vec::new();
-        for part in v.split(';').filter(|p| !p.is_empty()) {
-            match part.split_once(':') {
-                Some((fam, defs)) => {
-                    for d in defs.split(',').filter(|d| !d.is_empty()) {
-                        out.push((fam.to_string(), format!("-D{d}")));
-                    }
-                }
-                None => {
-                    eprintln!("fmoe: {DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored")
-                }
-            }
-        }
-        out
+        std::env::var(DEV_EXTRA_DEFINES_ENV)
+            .map(|v| parse_extra_defines(&v))
+            .unwrap_or_default()
     });
     all.iter()
         .filter(|(f, _)| f == family)
         .map(|(_, d)| d.clone())
         .collect()
+}
+
+/// `(family, "-DNAME=value")` pairs of a [`DEV_EXTRA_DEFINES_ENV`] value; a part without
+/// `family:` is reported and skipped.
+fn parse_extra_defines(v: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for part in v.split(';').filter(|p| !p.is_empty()) {
+        match part.split_once(':') {
+            Some((fam, defs)) => {
+                for d in defs.split(',').filter(|d| !d.is_empty()) {
+                    out.push((fam.to_string(), format!("-D{d}")));
+                }
+            }
+            None => eprintln!("fmoe: {DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored"),
+        }
+    }
+    out
 }
 
 /// `sm_XY`, with the `a` (architecture-specific features) suffix from compute capability 9 on.
@@ -725,6 +728,23 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
     use std::ffi::OsString;
+
+    #[test]
+    fn extra_defines_parse_per_family() {
+        let got = parse_extra_defines("moe_align:A=1,B=2;;moe_finalize:C=3;nofamily");
+        let want = [
+            ("moe_align", "-DA=1"),
+            ("moe_align", "-DB=2"),
+            ("moe_finalize", "-DC=3"),
+        ];
+        assert_eq!(
+            got,
+            want.iter()
+                .map(|(f, d)| (f.to_string(), d.to_string()))
+                .collect::<Vec<_>>()
+        );
+        assert!(parse_extra_defines("").is_empty());
+    }
 
     fn spec<'a>(defines: &'a [(&'a str, String)]) -> KernelSpec<'a> {
         KernelSpec {
