@@ -20,7 +20,8 @@ cargo test --release --workspace --no-run --message-format=json 2>/dev/null \
       if [[ $target =~ $filter ]]; then cp "$exe" "$dir/bin/tests/$target"; fi
     done
 cp target/release/fmoe "$dir/bin/fmoe"
-strip --strip-debug "$dir/bin/fmoe" "$dir"/bin/tests/*
+strip --strip-debug "$dir/bin/fmoe"
+find "$dir/bin/tests" -type f -exec strip --strip-debug {} +
 tar cf - -C "$dir/bin" . | xz -T0 -6 > "$dir/bin.tar.xz"
 rm -rf "$dir/bin"
 if [ -d ../shared/peers ]; then cp -r ../shared/peers/. .peers/; fi
