@@ -52,6 +52,26 @@ __device__ __forceinline__ PadSlots padded_run(unsigned int count) {
 #endif
 }
 
+// f(r, ids[r]) for every route r, the block's threads striding over them. The ids four at a time
+// where they are 16-byte aligned, two loads in flight per thread before f runs: one block runs the
+// whole batch, so its passes over the ids are bound by load latency, not bandwidth (DeepSeek-V3 at
+// M = 8192: 64 dependent loads per thread per pass one id at a time, ~99 us in all).
+template <typename F>
+__device__ __forceinline__ void for_each_route(const unsigned int* __restrict__ ids, unsigned int num_routes, F f) {
+    const unsigned int tid = threadIdx.x;
+    const unsigned int nvec = (reinterpret_cast<unsigned long long>(ids) & 15) == 0 ? num_routes / 4 : 0;
+    const uint4* ids4 = reinterpret_cast<const uint4*>(ids);
+    for (unsigned int v = tid; v < nvec; v += 2 * blockDim.x) {
+        const unsigned int w = v + blockDim.x;
+        const bool two = w < nvec;
+        const uint4 q0 = ids4[v];
+        const uint4 q1 = two ? ids4[w] : q0;
+        f(4 * v, q0.x), f(4 * v + 1, q0.y), f(4 * v + 2, q0.z), f(4 * v + 3, q0.w);
+        if (two) f(4 * w, q1.x), f(4 * w + 1, q1.y), f(4 * w + 2, q1.z), f(4 * w + 3, q1.w);
+    }
+    for (unsigned int r = 4 * nvec + tid; r < num_routes; r += blockDim.x) f(r, ids[r]);
+}
+
 extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
                                           unsigned int num_routes,
                                           unsigned int num_experts,
@@ -91,11 +111,6 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
     const unsigned int tid = threadIdx.x;
 
     for (unsigned int e = tid; e < num_experts; e += blockDim.x) counts[e] = 0;
-    // The ids four at a time where they are 16-byte aligned: one block runs the whole batch, so
-    // its two passes over the ids are bound by load latency, not bandwidth (DeepSeek-V3 at M =
-    // 8192: 64 dependent loads per thread per pass, ~99 us in all).
-    const unsigned int nvec = (reinterpret_cast<unsigned long long>(ids) & 15) == 0 ? num_routes / 4 : 0;
-    const uint4* ids4 = reinterpret_cast<const uint4*>(ids);
     __syncthreads();
     auto count_route = [&](unsigned int id) {
         if (id < num_experts) {
@@ -104,15 +119,7 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
             atomicExch(error_flag, 1u);  // reported by the host-side check of the caller
         }
     };
-    // Two loads of four ids in flight per thread before their atomics.
-    for (unsigned int v = tid; v < nvec; v += 2 * blockDim.x) {
-        const bool two = v + blockDim.x < nvec;
-        const uint4 q0 = ids4[v];
-        const uint4 q1 = two ? ids4[v + blockDim.x] : q0;
-        count_route(q0.x), count_route(q0.y), count_route(q0.z), count_route(q0.w);
-        if (two) count_route(q1.x), count_route(q1.y), count_route(q1.z), count_route(q1.w);
-    }
-    for (unsigned int r = 4 * nvec + tid; r < num_routes; r += blockDim.x) count_route(ids[r]);
+    for_each_route(ids, num_routes, [&](unsigned int, unsigned int id) { count_route(id); });
     __syncthreads();
     {
         // Exclusive prefix of the padded counts: thread t owns experts [t * per, (t + 1) * per);
@@ -220,17 +227,6 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
         if (id < num_experts) sorted_routes[atomicAdd(&cursor[id], 1u)] = r;
     };
 #endif
-    // Each route into its expert's next slot (loads as in the count).
-    for (unsigned int v = tid; v < nvec; v += 2 * blockDim.x) {
-        const unsigned int w = v + blockDim.x;
-        const bool two = w < nvec;
-        const uint4 q0 = ids4[v];
-        const uint4 q1 = two ? ids4[w] : q0;
-        place_route(4 * v, q0.x), place_route(4 * v + 1, q0.y), place_route(4 * v + 2, q0.z),
-            place_route(4 * v + 3, q0.w);
-        if (two)
-            place_route(4 * w, q1.x), place_route(4 * w + 1, q1.y), place_route(4 * w + 2, q1.z),
-                place_route(4 * w + 3, q1.w);
-    }
-    for (unsigned int r = 4 * nvec + tid; r < num_routes; r += blockDim.x) place_route(r, ids[r]);
+    // Each route into its expert's next slot.
+    for_each_route(ids, num_routes, place_route);
 }
