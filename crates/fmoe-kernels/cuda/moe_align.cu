@@ -112,14 +112,14 @@ extern "C" __global__ void fmoe_moe_align(const unsigned int* __restrict__ ids,
 
     for (unsigned int e = tid; e < num_experts; e += blockDim.x) counts[e] = 0;
     __syncthreads();
-    auto count_route = [&](unsigned int id) {
+    auto count_route = [&](unsigned int, unsigned int id) {
         if (id < num_experts) {
             atomicAdd(&counts[id], 1u);
         } else {
             atomicExch(error_flag, 1u);  // reported by the host-side check of the caller
         }
     };
-    for_each_route(ids, num_routes, [&](unsigned int, unsigned int id) { count_route(id); });
+    for_each_route(ids, num_routes, count_route);
     __syncthreads();
     {
         // Exclusive prefix of the padded counts: thread t owns experts [t * per, (t + 1) * per);
