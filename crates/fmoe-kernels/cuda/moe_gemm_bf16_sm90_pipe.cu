@@ -2,7 +2,7 @@
 // two MMA warpgroups, weights through TMA), optionally persistent. Same MODEs, arguments and
 // contract as moe_gemm_bf16_sm90.cu, plus the weights' tensor map `b_map`, three u32 (n_tiles,
 // m_blocks, splits: the tile space) and the tile counter (DYNAMIC). sm_90a only; WG_N = 256 with
-// BM = 128 or 64, or WG_N = 192 with BM = 192 (three MMA warpgroups, 512 threads).
+// BM = 128 or 64, or WG_N = 192 or 176 with BM = 192 (three MMA warpgroups, 512 threads).
 //
 // Loader (warpgroup 0): each thread gathers its A chunks with cp.async and ends every stage with
 // `cp.async.mbarrier.arrive.noinc`, which arrives on `full[s]` once the copies have landed, so all
@@ -22,7 +22,8 @@
 //
 // Tiles: BM = 128: MMA warpgroup w takes rows 64w of the tile, all 256 weight rows (m64n256);
 // BM = 192: the same with three warpgroups and 192 weight rows (m64n192; 512 threads leave 128
-// registers each, which ptxas will not exceed for setmaxnreg, so not 256).
+// registers each, which ptxas will not exceed for setmaxnreg, so not 256), or 176 (m64n176): the
+// host takes the narrower tile when its tile count fills the last wave of SMs better (cuda.rs).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
 // Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
@@ -75,7 +76,7 @@
 #define NTHREADS (128 * (1 + MMA_WGS))
 // BM = 192: 512 threads, so at most 128 registers each (ptxas compiles every warp to the launch
 // bound; setmaxnreg does not raise it): 192 weight rows (96 accumulators) per tile, not 256.
-static_assert(BM != 192 || WG_N == 192, "512 threads fit 64 x 192 accumulator slabs, not 64 x 256");
+static_assert(BM != 192 || WG_N == 192 || WG_N == 176, "512 threads fit 64 x 192 accumulator slabs, not 64 x 256");
 static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weight rows");
 #define LOADERS 128
 #define A_BYTES (BM * BK * 2)
@@ -259,6 +260,8 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                 wgmma_m64n256k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #elif CW_N == 192
                 wgmma_m64n192k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
+#elif CW_N == 176
+                wgmma_m64n176k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #else
                 wgmma_m64n128k16_bf16(acc, da + 2 * ks, db + 2 * ks, 1);
 #endif

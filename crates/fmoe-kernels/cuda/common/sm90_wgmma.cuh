@@ -54,6 +54,8 @@ __device__ __forceinline__ void wgmma_fence_operands(float* acc) {
 #define FMOE_WGMMA_REGS_32 FMOE_WGMMA_REGS_16 ",%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
 #define FMOE_WGMMA_ACC_64 FMOE_WGMMA_ACC_32, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 #define FMOE_WGMMA_REGS_64 FMOE_WGMMA_REGS_32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define FMOE_WGMMA_ACC_88 FMOE_WGMMA_ACC_64, "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+#define FMOE_WGMMA_REGS_88 FMOE_WGMMA_REGS_64 ",%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87"
 #define FMOE_WGMMA_ACC_96 FMOE_WGMMA_ACC_64, "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
 #define FMOE_WGMMA_REGS_96 FMOE_WGMMA_REGS_64 ",%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95"
 #define FMOE_WGMMA_ACC_128 FMOE_WGMMA_ACC_96, "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
@@ -75,12 +77,13 @@ __device__ __forceinline__ void wgmma_fence_operands(float* acc) {
                      : "l"(da), "l"(db), "r"(scale_d));                                                     \
     }
 
-// bf16 x bf16 -> f32, N = 16 .. 256: the tile kernels (64 x 128 / 64 x 256 / 64 x 192 slabs) and the
-// swap-AB decode kernels (weights as A, 16-64 routes as B).
+// bf16 x bf16 -> f32, N = 16 .. 256: the tile kernels (64 x 128 / 64 x 256 / 64 x 192 / 64 x 176
+// slabs) and the swap-AB decode kernels (weights as A, 16-64 routes as B).
 FMOE_WGMMA_WRAPPER(wgmma_m64n16k16_bf16, "m64n16k16.f32.bf16.bf16", 8, 8, 9, 10, ", 0, 0")
 FMOE_WGMMA_WRAPPER(wgmma_m64n32k16_bf16, "m64n32k16.f32.bf16.bf16", 16, 16, 17, 18, ", 0, 0")
 FMOE_WGMMA_WRAPPER(wgmma_m64n64k16_bf16, "m64n64k16.f32.bf16.bf16", 32, 32, 33, 34, ", 0, 0")
 FMOE_WGMMA_WRAPPER(wgmma_m64n128k16_bf16, "m64n128k16.f32.bf16.bf16", 64, 64, 65, 66, ", 0, 0")
+FMOE_WGMMA_WRAPPER(wgmma_m64n176k16_bf16, "m64n176k16.f32.bf16.bf16", 88, 88, 89, 90, ", 0, 0")
 FMOE_WGMMA_WRAPPER(wgmma_m64n192k16_bf16, "m64n192k16.f32.bf16.bf16", 96, 96, 97, 98, ", 0, 0")
 FMOE_WGMMA_WRAPPER(wgmma_m64n256k16_bf16, "m64n256k16.f32.bf16.bf16", 128, 128, 129, 130, ", 0, 0")
 
@@ -101,6 +104,8 @@ FMOE_WGMMA_WRAPPER(wgmma_m64n256k32_e4m3, "m64n256k32.f32.e4m3.e4m3", 128, 128, 
 #undef FMOE_WGMMA_REGS_32
 #undef FMOE_WGMMA_ACC_64
 #undef FMOE_WGMMA_REGS_64
+#undef FMOE_WGMMA_ACC_88
+#undef FMOE_WGMMA_REGS_88
 #undef FMOE_WGMMA_ACC_96
 #undef FMOE_WGMMA_REGS_96
 #undef FMOE_WGMMA_ACC_128

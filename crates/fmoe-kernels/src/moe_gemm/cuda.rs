@@ -168,6 +168,53 @@ pub const SM90_TALL: GemmConfig = GemmConfig {
     ..SM90_LARGE
 };
 
+/// [`SM90_TALL`] with 176 weight rows per tile (m64n176): the same work in more, narrower tiles, for
+/// a launch whose 192-row tiles would leave the last wave of SMs mostly idle ([`wave_fit`]).
+pub const SM90_TALL_NARROW: GemmConfig = GemmConfig {
+    wg_n: 176,
+    ..SM90_TALL
+};
+
+/// Dev-only: `FMOE_DEV_TALL_N=<192|176>` runs every uniform [`SM90_TALL`] launch with that many
+/// weight rows per tile instead of [`wave_fit`]'s choice (read once per process; not a user setting).
+pub const DEV_TALL_N_ENV: &str = "FMOE_DEV_TALL_N";
+
+/// The tile a uniform 192-row launch runs: [`SM90_TALL`] or [`SM90_TALL_NARROW`], whichever
+/// finishes its tiles in fewer tile-widths of time over `sms` SMs (equal tiles, one per SM at a
+/// time, so the time is the rounds of tiles times the tile's width; GEMM2's split divides the
+/// reduction), the wide one unless the narrow one saves at least 3 %. `busy_blocks` is the M
+/// blocks the routes are expected to fill. Mixtral-8x7B at M = 512 (8 experts of ~128 routes, one
+/// 192-row block each): GEMM1's 8 x 150 tiles of 96 output columns take 10 rounds on 132 SMs, the
+/// last one 12 tiles; 8 x 163 tiles of 88 columns take 10 rounds of 0.92 the width.
+fn wave_fit(
+    mode: u32,
+    n_out: usize,
+    kd: usize,
+    busy_blocks: usize,
+    splits_of: impl Fn(&GemmConfig, usize) -> usize,
+    sms: usize,
+) -> GemmConfig {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    match dev_knob(&FORCED, DEV_TALL_N_ENV) {
+        Some(176) => return SM90_TALL_NARROW,
+        Some(192) => return SM90_TALL,
+        _ => {}
+    }
+    let cost = |c: &GemmConfig| {
+        let n_tiles = n_out.div_ceil(c.n_tile(mode));
+        let splits = splits_of(c, n_tiles).max(1);
+        let tiles = n_tiles * busy_blocks.max(1) * splits;
+        // Rounds x (weight rows x K steps per tile), in units of 8 rows x one K step.
+        tiles.div_ceil(sms.max(1)) * (c.wg_n / 8) * kd.div_ceil(c.bk * splits)
+    };
+    let (wide, narrow) = (cost(&SM90_TALL), cost(&SM90_TALL_NARROW));
+    if narrow * 100 <= wide * 97 {
+        SM90_TALL_NARROW
+    } else {
+        SM90_TALL
+    }
+}
+
 /// The first [`SM90_LARGE`]: `moe_gemm_bf16_sm90.cu` with 128 × 256 tiles (two warpgroups that
 /// both load and multiply, a block barrier per K tile), launch order. Kept as the baseline
 /// experiment "sync".
@@ -678,7 +725,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
     let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
-    for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL]
+    for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL, SM90_TALL_NARROW]
         .into_iter()
         .chain(swapabs)
         .chain(experiments)
@@ -700,7 +747,7 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         }
     }
     // GEMM2 with per-route rows (the pipe kernels of SM90_LARGE and SM90_TALL) and their top-k sum.
-    for cfg in [SM90_LARGE, SM90_TALL] {
+    for cfg in [SM90_LARGE, SM90_TALL, SM90_TALL_NARROW] {
         let (family, source) = cfg.source();
         let mut defines = cfg.defines(2);
         defines.push(route_rows_define());
@@ -814,6 +861,9 @@ fn check_reduction(op: &'static str, what: &str, len: usize) -> Result<()> {
 struct RouteBuffers<'a> {
     /// The kernel variant whose M tile these routes are aligned to.
     cfg: GemmConfig,
+    /// One segment holds every route (uniform tiles), so the busy M blocks can be estimated from
+    /// the routes per expert ([`launch_cfg`]).
+    uniform: bool,
     sorted: CudaView<'a, u8>,
     blocks: CudaView<'a, u8>,
     total: CudaView<'a, u8>,
@@ -856,6 +906,7 @@ fn route_segments<'a>(
     let Some(tall) = &routes.tall else {
         return Ok(vec![RouteBuffers {
             cfg: kernel_for(routes.block_m)?,
+            uniform: true,
             sorted: sorted.slice(..),
             blocks: blocks.slice(..),
             total: total.slice(..),
@@ -866,6 +917,7 @@ fn route_segments<'a>(
     Ok(vec![
         RouteBuffers {
             cfg: kernel_for(routes.block_m)?,
+            uniform: false,
             sorted: sorted.slice(..tall.slot_base * u32_bytes),
             blocks: blocks.slice(..tall.block_base * u32_bytes),
             total: total.slice(..),
@@ -873,6 +925,7 @@ fn route_segments<'a>(
         },
         RouteBuffers {
             cfg: kernel_for(tall.block_m)?,
+            uniform: false,
             sorted: sorted.slice(tall.slot_base * u32_bytes..),
             blocks: blocks.slice(tall.block_base * u32_bytes..),
             total: tall_total.slice(..),
@@ -1032,8 +1085,29 @@ pub(super) fn gemm_grid(
 /// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
 /// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
 /// split GEMM2 by [`GemmConfig::splits`].
-fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
+/// The variant that runs `g`: its routes' kernel, or for a uniform [`SM90_TALL`] launch the tile
+/// width [`wave_fit`] picks for the M blocks the routes are expected to fill (each expert's
+/// average routes in 192-row blocks).
+fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
     let cfg = g.routes.cfg;
+    if cfg != SM90_TALL || !g.routes.uniform {
+        return cfg;
+    }
+    let experts = g.experts.clamp(1, g.num_routes.max(1));
+    let per_expert = g.num_routes.div_ceil(experts).div_ceil(cfg.bm);
+    let busy = (experts * per_expert).min(g.routes.slots / cfg.bm);
+    let splits_of = |c: &GemmConfig, n_tiles: usize| {
+        if g.mode == 2 && !g.route_rows {
+            c.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
+        } else {
+            1
+        }
+    };
+    wave_fit(g.mode, g.n_out, g.kd, busy, splits_of, sms)
+}
+
+fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
+    let cfg = launch_cfg(g, sms);
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
     let swap_ab = cfg.kind == GemmKind::SwapAb;
     let blocks_m = if swap_ab {
@@ -1063,13 +1137,12 @@ fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
 /// split adds its partial sum), or with `route_rows` stores every route's weighted row into `out`
 /// = bf16 [num_routes, n_out] (one split).
 fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<()> {
-    let cfg = g.routes.cfg;
-    let blocks_m = g.routes.slots / cfg.bm;
+    let blocks_m = g.routes.slots / g.routes.cfg.bm;
     if g.num_routes == 0 || g.n_out == 0 || blocks_m == 0 {
         return Ok(());
     }
     let backend = g.a.backend();
-    if cfg.kind != GemmKind::Mma && backend.compute_capability() != (9, 0) {
+    if g.routes.cfg.kind != GemmKind::Mma && backend.compute_capability() != (9, 0) {
         return Err(unsupported(
             op,
             g.a.device(),
@@ -1081,6 +1154,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         ));
     }
     let sms = backend.multiprocessor_count() as usize;
+    let cfg = launch_cfg(g, sms);
     let (blocks_m, n_tiles, splits) = gemm_plan(g, sms);
     if g.route_rows
         && (g.mode != 2 || splits != 1 || !matches!(cfg.kind, GemmKind::Sm90Pipe { .. }))
@@ -1686,6 +1760,32 @@ mod tests {
 #[cfg(test)]
 mod select_tests {
     use super::*;
+
+    /// The tile-width rule on the H200's 132 SMs, at the shapes it exists for and where it must
+    /// leave the 192-row tile alone.
+    #[test]
+    fn narrow_tall_tiles_where_they_fill_the_last_wave() {
+        let sms = 132;
+        let rule = |n_routes: usize, experts: usize, slots: usize| {
+            move |c: &GemmConfig, n_tiles: usize| {
+                c.splits(n_routes, experts, slots, n_tiles, 14336, sms)
+            }
+        };
+        // Mixtral-8x7B M = 512, GEMM1: 8 x 150 tiles = 10 rounds (the last of 12 tiles); 8 x 163
+        // = 10 rounds of 0.92 the width.
+        let one = |_: &GemmConfig, _: usize| 1;
+        assert_eq!(wave_fit(1, 14336, 4096, 8, one, sms), SM90_TALL_NARROW);
+        // Its GEMM2 (3 splits by the rule): 22 x 8 x 3 = 528 tiles, 4 full rounds; 24 x 8 x 3 =
+        // 576 would take 5.
+        let slots = 8 * 192;
+        let g2 = wave_fit(2, 4096, 14336, 8, rule(1024, 8, slots), sms);
+        assert_eq!(g2, SM90_TALL);
+        assert_eq!(SM90_TALL.splits(1024, 8, slots, 22, 14336, sms), 3);
+        // Mixtral-8x22B M = 512, GEMM1: 11 rounds of 96 columns vs 12 of 88, a tie: the wide tile.
+        assert_eq!(wave_fit(1, 16384, 6144, 8, one, sms), SM90_TALL);
+        // One wave exactly (132 tiles of 96 columns) stays one wave.
+        assert_eq!(wave_fit(1, 96 * 132, 4096, 1, one, sms), SM90_TALL);
+    }
 
     #[test]
     fn mixed_tiles_from_176_routes_per_expert_or_128_over_many_experts() {
