@@ -146,6 +146,33 @@ fn large_shapes_match_the_f64_reference() {
     run_cases(LARGE, 8000);
 }
 
+/// DeepSeek-V3-like routing with one 128-row block per expert (256 experts, 64 routes each on
+/// average): the persistent kernel walks its tiles one M block at a time, both GEMMs.
+#[test]
+fn one_block_raster_layer_matches_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(2048, 256, 256, 136, 8);
+    let inp = inputs(&c, 9500);
+    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
+    let ((), launches) = trace_launches(|| check_case("one M block at a time", &c, &inp, &topk));
+    let hopper = fmoe_core::cuda::cuda_backend(0)
+        .map(|b| b.compute_capability() == (9, 0))
+        .unwrap_or(false);
+    for mode in ["[MODE=1,", "[MODE=2,"] {
+        assert!(
+            !hopper
+                || launches
+                    .iter()
+                    .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/")
+                        && l.contains(mode)
+                        && l.contains("RASTER_GM=1,")),
+            "the {mode}] GEMM did not walk one M block at a time: {launches:?}"
+        );
+    }
+}
+
 /// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
 /// warpgroup halves: 2, 64 (the second half all padding), 65 (one live row in it), 127, 128 (one
 /// full tile), 129 and 192 (a second tile with 1 and 64 routes), 193: 112 per expert on average

@@ -241,6 +241,29 @@ fn large_fp8_layers_at_the_edges_match_the_f64_reference() {
 /// padding), 65 (one live row there), 127, 128, 129 and 192 (a second tile with 1 and 64
 /// routes), 193; 112 per expert on average, so the warp-specialized kernels run for both schemes. N = 2064 (N % 128 = 16: GEMM1's up rows straddle two weight
 /// blocks; GEMM2's reduction over 17 K blocks).
+/// DeepSeek-V3-like routing with one 128-row block per expert (256 experts, 64 routes each on
+/// average): both warp-specialized kernels walk their tiles one M block at a time.
+#[test]
+fn one_block_raster_fp8_layer_matches_the_f64_reference() {
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let c = case(2048, 256, 400, 144, 8);
+    let ((), launches) =
+        trace_launches(|| check_case("one M block at a time", &c, &inputs(&c, 19_900)));
+    for entry in ["fmoe_moe_gemm_fp8", "fmoe_moe_gemm_fp8_block"] {
+        for mode in ["[MODE=1,", "[MODE=2,"] {
+            let name = format!("moe_gemm_fp8_sm90_ws/{entry}{mode}");
+            assert!(
+                launches
+                    .iter()
+                    .any(|l| l.starts_with(&name) && l.contains("RASTER_GM=1,")),
+                "{entry} {mode} did not walk one M block at a time: {launches:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn large_fp8_tile_edges_match_the_f64_reference() {
     if test_backend_or_skip().is_none() {

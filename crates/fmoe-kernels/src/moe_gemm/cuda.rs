@@ -725,8 +725,10 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         });
     let mut seen: Vec<GemmConfig> = Vec::new();
     let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
+    let one_block = [SM90_LARGE, SM90_TALL].map(|c| GemmConfig { raster_gm: 1, ..c });
     for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL, SM90_TALL_NARROW]
         .into_iter()
+        .chain(one_block)
         .chain(swapabs)
         .chain(experiments)
         .chain(mids)
@@ -747,7 +749,10 @@ pub(super) fn variants() -> Vec<KernelVariant> {
         }
     }
     // GEMM2 with per-route rows (the pipe kernels of SM90_LARGE and SM90_TALL) and their top-k sum.
-    for cfg in [SM90_LARGE, SM90_TALL, SM90_TALL_NARROW] {
+    for cfg in [SM90_LARGE, SM90_TALL, SM90_TALL_NARROW]
+        .into_iter()
+        .chain(one_block)
+    {
         let (family, source) = cfg.source();
         let mut defines = cfg.defines(2);
         defines.push(route_rows_define());
@@ -1085,25 +1090,68 @@ pub(super) fn gemm_grid(
 /// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
 /// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
 /// split GEMM2 by [`GemmConfig::splits`].
-/// The variant that runs `g`: its routes' kernel, or for a uniform [`SM90_TALL`] launch the tile
+/// The variant that runs `g`: its routes' kernel; for a uniform [`SM90_TALL`] launch with the tile
 /// width [`wave_fit`] picks for the M blocks the routes are expected to fill (each expert's
-/// average routes in 192-row blocks).
+/// average routes in 192-row blocks); for a persistent one whose experts each fit one M block,
+/// N tiles fastest ([`one_block_raster`]).
 fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
-    let cfg = g.routes.cfg;
-    if cfg != SM90_TALL || !g.routes.uniform {
-        return cfg;
+    let mut cfg = g.routes.cfg;
+    if cfg == SM90_TALL && g.routes.uniform {
+        let experts = g.experts.clamp(1, g.num_routes.max(1));
+        let per_expert = g.num_routes.div_ceil(experts).div_ceil(cfg.bm);
+        let busy = (experts * per_expert).min(g.routes.slots / cfg.bm);
+        let splits_of = |c: &GemmConfig, n_tiles: usize| {
+            if g.mode == 2 && !g.route_rows {
+                c.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
+            } else {
+                1
+            }
+        };
+        cfg = wave_fit(g.mode, g.n_out, g.kd, busy, splits_of, sms);
     }
-    let experts = g.experts.clamp(1, g.num_routes.max(1));
-    let per_expert = g.num_routes.div_ceil(experts).div_ceil(cfg.bm);
-    let busy = (experts * per_expert).min(g.routes.slots / cfg.bm);
-    let splits_of = |c: &GemmConfig, n_tiles: usize| {
-        if g.mode == 2 && !g.route_rows {
-            c.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
-        } else {
-            1
+    if matches!(
+        cfg.kind,
+        GemmKind::Sm90Pipe {
+            persistent: true,
+            ..
         }
-    };
-    wave_fit(g.mode, g.n_out, g.kd, busy, splits_of, sms)
+    ) && one_block_raster(g.num_routes, g.experts, cfg.bm)
+    {
+        cfg.raster_gm = 1;
+    }
+    cfg
+}
+
+/// Experts from which [`one_block_raster`] applies.
+pub const ONE_BLOCK_RASTER_MIN_EXPERTS: usize = 64;
+
+/// Dev-only: `FMOE_DEV_ONE_BLOCK_RASTER=off` keeps the grouped order of 16 M blocks where
+/// [`one_block_raster`] would walk N tiles fastest (bf16 and fp8; read once per process).
+pub const DEV_ONE_BLOCK_RASTER_ENV: &str = "FMOE_DEV_ONE_BLOCK_RASTER";
+
+/// Whether a persistent prefill GEMM over `num_routes` routes and `experts` experts walks its tiles
+/// N fastest, one M block at a time (`-D RASTER_GM=1`) instead of in groups of 16 M blocks: over
+/// many experts (at least [`ONE_BLOCK_RASTER_MIN_EXPERTS`]) whose routes fit one `bm`-row block on
+/// average, no two M blocks share a weight tile, so the groups only spread each block's activation
+/// rows over 16 x (N tiles) claims, long enough for the streamed weights to evict them from L2
+/// between uses. H200, DeepSeek-V3 (BENCHMARKS.md, "one M block at a time"): the four bf16 GEMM
+/// launches at M = 4096 read 23.3 GB from DRAM instead of 26.1 (22.5 GB of weights); the layer
+/// 1.06-1.11x faster at M = 2048-5120, fp8 per-tensor 1.075x and block-scaled 1.016x at 4096, a
+/// tie at 8192 (two or more blocks per expert, where the groups do share weight tiles, so the rule
+/// leaves them).
+pub(super) fn one_block_raster(num_routes: usize, experts: usize, bm: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(
+        || match std::env::var(DEV_ONE_BLOCK_RASTER_ENV).as_deref() {
+            Err(_) | Ok("on") => false,
+            Ok("off") => true,
+            Ok(v) => {
+                eprintln!("fmoe: {DEV_ONE_BLOCK_RASTER_ENV}={v:?} is not on or off; using on");
+                false
+            }
+        },
+    );
+    !off && experts >= ONE_BLOCK_RASTER_MIN_EXPERTS && num_routes <= bm * experts
 }
 
 fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
@@ -1760,6 +1808,16 @@ mod tests {
 #[cfg(test)]
 mod select_tests {
     use super::*;
+
+    /// One M block at a time over many experts that each fit one block of the tile.
+    #[test]
+    fn one_block_raster_over_many_experts_of_one_block() {
+        assert!(one_block_raster(4096 * 8, 256, 128)); // DeepSeek-V3, M = 4096
+        assert!(one_block_raster(6144 * 8, 256, 192));
+        assert!(!one_block_raster(4096 * 8 + 1, 256, 128));
+        assert!(!one_block_raster(8192 * 8, 256, 192)); // two blocks per expert share weights
+        assert!(!one_block_raster(256 * 2, 8, 128)); // Mixtral: few experts
+    }
 
     /// The tile-width rule on the H200's 132 SMs, at the shapes it exists for and where it must
     /// leave the 192-row tile alone.

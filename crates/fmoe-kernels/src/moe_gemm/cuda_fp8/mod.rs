@@ -656,7 +656,10 @@ pub(super) const ALL: [Fp8GemmConfig; 15] = [
 /// one mode's CUBIN pairwise, as their promotion is chosen per mode).
 pub(super) fn variants() -> Vec<KernelVariant> {
     let mut v: Vec<KernelVariant> = Vec::new();
-    for cfg in ALL {
+    // The warp-specialized kernels also walk one M block at a time (super::cuda::one_block_raster).
+    let one_block =
+        [FP8_TENSOR_LARGE, FP8_BLOCK_LARGE].map(|c| Fp8GemmConfig { raster_gm: 1, ..c });
+    for cfg in ALL.into_iter().chain(one_block) {
         let (family, source, entry) = cfg.source();
         let mut all = vec![cfg.defines(1), cfg.defines(2)];
         // GEMM2 with per-route rows (fused::gemm2), the warp-specialized kernels only.
@@ -690,6 +693,12 @@ impl Fp8GemmConfig {
         let cfg = with_dev_promote(Self::select_with(scheme, large, dev_sync()), dev_large());
         match dev_raster_gm() {
             Some(raster_gm) if cfg.ws => Fp8GemmConfig { raster_gm, ..cfg },
+            _ if cfg.ws && super::cuda::one_block_raster(num_routes, experts, cfg.bm) => {
+                Fp8GemmConfig {
+                    raster_gm: 1,
+                    ..cfg
+                }
+            }
             _ => cfg,
         }
     }
@@ -1025,12 +1034,13 @@ mod tests {
                 );
             }
         }
-        // 3 block-scaled large schedules x (2 modes + GEMM2 with per-route rows): 9 CUBINs.
+        // 3 block-scaled large schedules, and the default one walking one M block at a time, x (2
+        // modes + GEMM2 with per-route rows): 12 CUBINs.
         let ws_block = names
             .iter()
             .filter(|n| n.starts_with(&format!("{WS_FAMILY}/{BLOCK_ENTRY}[")))
             .count();
-        assert_eq!(ws_block, 9);
+        assert_eq!(ws_block, 12);
         // The unordered halves: the same source without either schedule define.
         assert_eq!(
             FP8_BLOCK_LARGE_HALVES.defines(2)[..4],
@@ -1212,10 +1222,20 @@ mod tests {
             Fp8GemmConfig::select(PerTensor, 64 * 8, 8),
             FP8_TENSOR_LARGE
         );
+        // DeepSeek-V3 at M = 4096: one 128-row block per expert, so one M block at a time; at 8192
+        // the grouped order.
         assert_eq!(
             Fp8GemmConfig::select(PerTensor, 4096 * 8, 256),
+            Fp8GemmConfig {
+                raster_gm: 1,
+                ..FP8_TENSOR_LARGE
+            }
+        );
+        assert_eq!(
+            Fp8GemmConfig::select(PerTensor, 4096 * 8 + 1, 256),
             FP8_TENSOR_LARGE
         );
+        assert_eq!(Fp8GemmConfig::select(Block, 4096 * 8, 256).raster_gm, 1);
         assert_eq!(Fp8GemmConfig::select(Block, 1 << 20, 8), FP8_BLOCK_LARGE);
         assert_eq!(Fp8GemmConfig::select(Block, 63 * 8, 8), FP8_BLOCK_SCALED);
         assert_eq!(Fp8GemmConfig::select(Block, 64 * 8, 8), FP8_BLOCK_LARGE);
