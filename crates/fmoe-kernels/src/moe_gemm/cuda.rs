@@ -22,7 +22,9 @@
 //! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there, 192 × 192
 //! ones within [`TALL_TILE_ROUTES_PER_EXPERT`]; or both, one launch each, over routes aligned with
-//! mixed tile heights ([`GemmConfig::tiling`]). Contract (checked, with the dimension named): the reduction
+//! mixed tile heights ([`GemmConfig::tiling`]). Per launch, uniform 192-row tiles may narrow to
+//! [`SM90_TALL_NARROW`] to fill the last wave ([`wave_fit`]), and the persistent kernels walk one M
+//! block at a time where every expert fits one block ([`one_block_raster`]). Contract (checked, with the dimension named): the reduction
 //! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
 //! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
 
