@@ -69,6 +69,12 @@
 #ifndef WG_N
 #define WG_N 256  // weight rows per tile (BM = 192: 192)
 #endif
+// SKIP_PAD_WG=1 (BM = 192): a warpgroup whose 64 rows of the tile are all padding hands the
+// tile's stages back without multiplying them (the host sets it where few experts each fill one
+// 192-row block only partly: Mixtral at 128-175 routes per expert).
+#ifndef SKIP_PAD_WG
+#define SKIP_PAD_WG 0
+#endif
 #define BK 64
 // MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
 // three of 64 rows each.
@@ -89,6 +95,7 @@ static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weig
 
 static_assert(BM == 64 || BM == 128 || BM == 192, "MMA warpgroups of 64 rows, or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
+static_assert(!SKIP_PAD_WG || BM == 192, "padding warpgroups skip 192-row tiles only");
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
@@ -242,6 +249,19 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         if (w.idle) continue;
         const PipeTile tc = w.tc;
         const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
+#if SKIP_PAD_WG
+        // All 64 rows padding (the first is: routes fill a block from its start): hand each stage
+        // back once it is full, so the arrivals count toward its phase, and multiply nothing. (A
+        // vote, so ptxas knows the branch is warp-uniform.)
+        if (__all_sync(0xffffffffu, cm > 0 && sorted_routes[m0 + 64 * cm] >= num_routes)) {
+            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+                warp_arrive(empty0 + 8 * s, lane);
+            }
+            continue;
+        }
+#endif
 
         float acc[CW_N / 2];
 #pragma unroll

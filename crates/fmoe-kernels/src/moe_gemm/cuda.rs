@@ -63,6 +63,9 @@ pub struct GemmConfig {
     /// `Sm90`/`Sm90Pipe`: blocks take their tiles in groups of this many M blocks, M fastest
     /// (`-D RASTER_GM`; 0 = launch order, N fastest).
     pub raster_gm: usize,
+    /// `Sm90Pipe` with 192-row tiles: a warpgroup whose 64 rows of a tile are all padding hands
+    /// the tile's stages back without multiplying them (`-D SKIP_PAD_WG=1`, [`launch_cfg`]).
+    pub skip_pad_wg: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +100,7 @@ pub const MMA: GemmConfig = GemmConfig {
     wg_n: 128,
     split_k: true,
     raster_gm: 0,
+    skip_pad_wg: false,
 };
 
 /// Swap-AB decode kernel, below [`SWAPAB_ROUTES_PER_EXPERT`](super::SWAPAB_ROUTES_PER_EXPERT) routes per expert on average: 256
@@ -113,6 +117,7 @@ pub const SM90_SWAPAB: GemmConfig = GemmConfig {
     wg_n: 256,
     split_k: true,
     raster_gm: 0,
+    skip_pad_wg: false,
 };
 
 /// [`SM90_SWAPAB`] with route blocks of `bn` (wgmma N, `-D BN`) and a ring of `stages`.
@@ -137,6 +142,7 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
     wg_n: 128,
     split_k: true,
     raster_gm: 0,
+    skip_pad_wg: false,
 };
 
 /// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route. The
@@ -156,6 +162,7 @@ pub const SM90_LARGE: GemmConfig = GemmConfig {
     wg_n: 256,
     split_k: true,
     raster_gm: 16,
+    skip_pad_wg: false,
 };
 
 /// [`SM90_LARGE`] with 192 × 192 tiles: three MMA warpgroups of 64 rows (512 threads, so 128
@@ -228,6 +235,7 @@ pub const SM90_SYNC: GemmConfig = GemmConfig {
     wg_n: 256,
     split_k: true,
     raster_gm: 0,
+    skip_pad_wg: false,
 };
 
 /// Dev-only: `FMOE_DEV_SM90_LARGE=<name>` swaps the kernel that runs routes aligned for
@@ -318,6 +326,7 @@ pub const SM90_MID: GemmConfig = GemmConfig {
     wg_n: 256,
     split_k: true,
     raster_gm: 16,
+    skip_pad_wg: false,
 };
 
 /// [`SM90_MID`], with the schedule of the [`DEV_SM90_LARGE_ENV`] experiment when that is a pipe
@@ -648,6 +657,9 @@ impl GemmConfig {
                 if self.wg_n != 256 {
                     d.push(("WG_N", self.wg_n.to_string()));
                 }
+                if self.skip_pad_wg {
+                    d.push(("SKIP_PAD_WG", "1".to_string()));
+                }
             }
             GemmKind::SwapAb => {
                 d.push(("ELEM_BF16", "1".to_string()));
@@ -728,9 +740,15 @@ pub(super) fn variants() -> Vec<KernelVariant> {
     let mut seen: Vec<GemmConfig> = Vec::new();
     let swapabs = super::cuda_fp8::SWAPAB_ROUTE_BLOCKS.map(|bn| sm90_swapab(bn, swapab_stages(bn)));
     let one_block = [SM90_LARGE, SM90_TALL].map(|c| GemmConfig { raster_gm: 1, ..c });
+    // Uniform 192-row launches: their padding warpgroups skip (launch_cfg).
+    let skipping = [SM90_TALL, SM90_TALL_NARROW].map(|c| GemmConfig {
+        skip_pad_wg: true,
+        ..c
+    });
     for cfg in [MMA, SM90_SMALL, SM90_MID, SM90_TALL, SM90_TALL_NARROW]
         .into_iter()
         .chain(one_block)
+        .chain(skipping)
         .chain(swapabs)
         .chain(experiments)
         .chain(mids)
@@ -1110,6 +1128,7 @@ fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
             }
         };
         cfg = wave_fit(g.mode, g.n_out, g.kd, busy, splits_of, sms);
+        cfg.skip_pad_wg = skip_pad_wg();
     }
     if matches!(
         cfg.kind,
@@ -1122,6 +1141,25 @@ fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
         cfg.raster_gm = 1;
     }
     cfg
+}
+
+/// Dev-only: `FMOE_DEV_SKIP_PAD_WG=off` multiplies the padding warpgroups of uniform 192-row
+/// tiles too (read once per process).
+pub const DEV_SKIP_PAD_WG_ENV: &str = "FMOE_DEV_SKIP_PAD_WG";
+
+/// Whether uniform 192-row launches let a warpgroup of all-padding rows skip the tile
+/// ([`GemmConfig::skip_pad_wg`]): over few experts of 128-175 routes (Mixtral at M = 512-703)
+/// about half the experts leave the third warpgroup of their one block empty.
+fn skip_pad_wg() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var(DEV_SKIP_PAD_WG_ENV).as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(v) => {
+            eprintln!("fmoe: {DEV_SKIP_PAD_WG_ENV}={v:?} is not on or off; using on");
+            true
+        }
+    })
 }
 
 /// Experts from which [`one_block_raster`] applies.
@@ -1762,6 +1800,7 @@ mod tests {
             wg_n: 256,
             split_k: true,
             raster_gm: 0,
+            skip_pad_wg: false,
         };
         assert_eq!(
             (mma.n_tile(1), mma.n_tile(2), mma.threads()),
@@ -1784,6 +1823,7 @@ mod tests {
             bk: 64,
             split_k: true,
             raster_gm: 0,
+            skip_pad_wg: false,
         };
         assert_eq!(
             (sm90.n_tile(1), sm90.n_tile(2), sm90.threads()),
