@@ -119,14 +119,16 @@ fn check_case(what: &str, c: &Case, inp: &Inputs, topk: &TopK) {
     assert!(d <= TOL, "{what}: fused vs portable {d:.3e}");
 }
 
+/// The layer's own routing on the device (topk_softmax's CUDA twin); the reference uses the same
+/// ids and weights, downloaded.
+fn device_routing(c: &Case, inp: &Inputs) -> TopK {
+    topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap()
+}
+
 fn run_cases(cases: &[Case], seed0: u64) {
     for (i, c) in cases.iter().enumerate() {
-        let what = format!("{c:?}");
         let inp = inputs(c, seed0 + i as u64);
-        // The layer's own routing on the device (topk_softmax's CUDA twin); the reference uses the
-        // same ids and weights, downloaded.
-        let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
-        check_case(&what, c, &inp, &topk);
+        check_case(&format!("{c:?}"), c, &inp, &device_routing(c, &inp));
     }
 }
 
@@ -155,22 +157,9 @@ fn one_block_raster_layer_matches_the_f64_reference() {
     }
     let c = case(2048, 256, 256, 136, 8);
     let inp = inputs(&c, 9500);
-    let topk = topk_softmax(&inp.logits.to_device(CUDA).unwrap(), c.top_k, true).unwrap();
-    let ((), launches) = trace_launches(|| check_case("one M block at a time", &c, &inp, &topk));
-    let hopper = fmoe_core::cuda::cuda_backend(0)
-        .map(|b| b.compute_capability() == (9, 0))
-        .unwrap_or(false);
-    for mode in ["[MODE=1,", "[MODE=2,"] {
-        assert!(
-            !hopper
-                || launches
-                    .iter()
-                    .any(|l| l.starts_with("moe_gemm_bf16_sm90_pipe/")
-                        && l.contains(mode)
-                        && l.contains("RASTER_GM=1,")),
-            "the {mode}] GEMM did not walk one M block at a time: {launches:?}"
-        );
-    }
+    let what = "one M block at a time";
+    let ((), launches) = trace_launches(|| check_case(what, &c, &inp, &device_routing(&c, &inp)));
+    assert_both_gemms_ran(what, &launches, "moe_gemm_bf16_sm90_pipe/", "RASTER_GM=1,");
 }
 
 /// Routes per expert around the edges of the prefill GEMM's 128-row tiles and of its two 64-row
@@ -268,6 +257,12 @@ fn tile_edges_case(counts: &[usize], seed: u64, tiles: &[&str]) {
 /// Both GEMMs of the fused forward ran the swap-AB kernel (on Hopper; elsewhere the 64-route
 /// tiles run and there is nothing to check).
 fn assert_swap_ab_ran(what: &str, launches: &[String]) {
+    assert_both_gemms_ran(what, launches, "moe_gemm_bf16_swapab_sm90/", "");
+}
+
+/// Both GEMMs of the fused forward ran a kernel of `family` (the launch trace's prefix) compiled
+/// with `define` (on Hopper; elsewhere the mma.sync kernels run and there is nothing to check).
+fn assert_both_gemms_ran(what: &str, launches: &[String], family: &str, define: &str) {
     let hopper = fmoe_core::cuda::cuda_backend(0)
         .map(|b| b.compute_capability() == (9, 0))
         .unwrap_or(false);
@@ -276,8 +271,8 @@ fn assert_swap_ab_ran(what: &str, launches: &[String]) {
             !hopper
                 || launches
                     .iter()
-                    .any(|l| l.starts_with("moe_gemm_bf16_swapab_sm90/") && l.contains(mode)),
-            "{what}: the swap-AB {mode}] GEMM did not run: {launches:?}"
+                    .any(|l| l.starts_with(family) && l.contains(mode) && l.contains(define)),
+            "{what}: the {family} {mode}] GEMM with {define:?} did not run: {launches:?}"
         );
     }
 }

@@ -22,11 +22,13 @@
 //! 32-route blocks from 16 to below [`SWAPAB_MID_ROUTES_PER_EXPERT`](super::SWAPAB_MID_ROUTES_PER_EXPERT)), the 64-route
 //! tiles below [`LARGE_TILE_ROUTES_PER_EXPERT`], the 128 × 256 prefill tiles from there, 192 × 192
 //! ones within [`TALL_TILE_ROUTES_PER_EXPERT`]; or both, one launch each, over routes aligned with
-//! mixed tile heights ([`GemmConfig::tiling`]). Per launch, uniform 192-row tiles may narrow to
-//! [`SM90_TALL_NARROW`] to fill the last wave ([`wave_fit`]), and the persistent kernels walk one M
-//! block at a time where every expert fits one block ([`one_block_raster`]). Contract (checked, with the dimension named): the reduction
-//! length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because the kernel loads
-//! 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's `block_m`.
+//! mixed tile heights ([`GemmConfig::tiling`]). Per launch ([`launch_cfg`]), uniform 192-row tiles
+//! may narrow to [`SM90_TALL_NARROW`] to fill the last wave ([`wave_fit`]) and let warpgroups of
+//! padding skip ([`GemmConfig::skip_pad_wg`]), and the persistent kernels walk one M block at a time
+//! where every expert fits one block ([`one_block_raster`]). Contract (checked, with the dimension
+//! named): the reduction length (K for GEMM1, N for GEMM2) is a multiple of [`K_MULTIPLE`], because
+//! the kernel loads 16-byte chunks of bf16; routes come from `moe_align` with the chosen variant's
+//! `block_m`.
 
 use std::sync::Arc;
 
@@ -64,7 +66,7 @@ pub struct GemmConfig {
     /// (`-D RASTER_GM`; 0 = launch order, N fastest).
     pub raster_gm: usize,
     /// `Sm90Pipe` with 192-row tiles: a warpgroup whose 64 rows of a tile are all padding hands
-    /// the tile's stages back without multiplying them (`-D SKIP_PAD_WG=1`, [`launch_cfg`]).
+    /// the tile's stages back without multiplying them (`-D SKIP_PAD_WG=1`; set per launch).
     pub skip_pad_wg: bool,
 }
 
@@ -1107,9 +1109,6 @@ pub(super) fn gemm_grid(
     })
 }
 
-/// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
-/// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
-/// split GEMM2 by [`GemmConfig::splits`].
 /// The variant that runs `g`: its routes' kernel; for a uniform [`SM90_TALL`] launch with the tile
 /// width [`wave_fit`] picks for the M blocks the routes are expected to fill (each expert's
 /// average routes in 192-row blocks); for a persistent one whose experts each fit one M block,
@@ -1120,8 +1119,9 @@ fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
         let experts = g.experts.clamp(1, g.num_routes.max(1));
         let per_expert = g.num_routes.div_ceil(experts).div_ceil(cfg.bm);
         let busy = (experts * per_expert).min(g.routes.slots / cfg.bm);
+        // The same plan with or without route rows: they are chosen from it (one split).
         let splits_of = |c: &GemmConfig, n_tiles: usize| {
-            if g.mode == 2 && !g.route_rows {
+            if g.mode == 2 {
                 c.splits(g.num_routes, g.experts, g.routes.slots, n_tiles, g.kd, sms)
             } else {
                 1
@@ -1152,11 +1152,16 @@ pub const DEV_SKIP_PAD_WG_ENV: &str = "FMOE_DEV_SKIP_PAD_WG";
 /// about half the experts leave the third warpgroup of their one block empty.
 fn skip_pad_wg() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var(DEV_SKIP_PAD_WG_ENV).as_deref() {
+    dev_on(&ON, DEV_SKIP_PAD_WG_ENV)
+}
+
+/// A dev-only switch that is on unless `name` says `off` (read once per process into `cell`).
+fn dev_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
+    *cell.get_or_init(|| match std::env::var(name).as_deref() {
         Err(_) | Ok("on") => true,
         Ok("off") => false,
         Ok(v) => {
-            eprintln!("fmoe: {DEV_SKIP_PAD_WG_ENV}={v:?} is not on or off; using on");
+            eprintln!("fmoe: {name}={v:?} is not on or off; using on");
             true
         }
     })
@@ -1180,22 +1185,16 @@ pub const DEV_ONE_BLOCK_RASTER_ENV: &str = "FMOE_DEV_ONE_BLOCK_RASTER";
 /// tie at 8192 (two or more blocks per expert, where the groups do share weight tiles, so the rule
 /// leaves them).
 pub(super) fn one_block_raster(num_routes: usize, experts: usize, bm: usize) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(
-        || match std::env::var(DEV_ONE_BLOCK_RASTER_ENV).as_deref() {
-            Err(_) | Ok("on") => false,
-            Ok("off") => true,
-            Ok(v) => {
-                eprintln!("fmoe: {DEV_ONE_BLOCK_RASTER_ENV}={v:?} is not on or off; using on");
-                false
-            }
-        },
-    );
-    !off && experts >= ONE_BLOCK_RASTER_MIN_EXPERTS && num_routes <= bm * experts
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    dev_on(&ON, DEV_ONE_BLOCK_RASTER_ENV)
+        && experts >= ONE_BLOCK_RASTER_MIN_EXPERTS
+        && num_routes <= bm * experts
 }
 
-fn gemm_plan(g: &Gemm<'_>, sms: usize) -> (usize, usize, usize) {
-    let cfg = launch_cfg(g, sms);
+/// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
+/// blocks that can be busy and evens GEMM2's waves with its split; the others cover the slots and
+/// split GEMM2 by [`GemmConfig::splits`].
+fn gemm_plan(g: &Gemm<'_>, cfg: &GemmConfig, sms: usize) -> (usize, usize, usize) {
     let n_tiles = g.n_out.div_ceil(cfg.n_tile(g.mode));
     let swap_ab = cfg.kind == GemmKind::SwapAb;
     let blocks_m = if swap_ab {
@@ -1243,7 +1242,7 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     }
     let sms = backend.multiprocessor_count() as usize;
     let cfg = launch_cfg(g, sms);
-    let (blocks_m, n_tiles, splits) = gemm_plan(g, sms);
+    let (blocks_m, n_tiles, splits) = gemm_plan(g, &cfg, sms);
     if g.route_rows
         && (g.mode != 2 || splits != 1 || !matches!(cfg.kind, GemmKind::Sm90Pipe { .. }))
     {
@@ -1469,7 +1468,8 @@ pub(super) fn gemm2_weighted_sum(
     // Route rows: only the persistent pipe kernels with one K split store them (every segment's).
     let sms = backend.multiprocessor_count() as usize;
     let kernel_can = gemms.iter().all(|g| {
-        matches!(g.routes.cfg.kind, GemmKind::Sm90Pipe { .. }) && gemm_plan(g, sms).2 == 1
+        matches!(g.routes.cfg.kind, GemmKind::Sm90Pipe { .. })
+            && gemm_plan(g, &launch_cfg(g, sms), sms).2 == 1
     });
     gemm2_summed(
         op,
