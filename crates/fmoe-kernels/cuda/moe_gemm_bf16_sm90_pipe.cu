@@ -26,11 +26,11 @@
 // host takes the narrower tile when its tile count fills the last wave of SMs better (cuda.rs).
 // BM = 64: both take the 64 rows, warpgroup w the weight rows 128w.. (m64n128); GEMM1's tile is
 // then gate|up of columns n0..n0+63 followed by gate|up of n0+64..n0+127, four TMA boxes.
-// Padding rows are multiplied like the others. Letting the warpgroup whose 64 rows are all
-// padding skip its wgmma (an expert's last block) was measured slower on the H200 (DeepSeek-V3
-// GEMM1 at M = 8192 +22 %, with or without a barrier keeping the warpgroups in step;
-// BENCHMARKS.md), probably because the faster tiles fall out of step with those that share their
-// weight tiles in L2.
+// Padding rows are multiplied like the others, except with SKIP_PAD_WG=1 (below; uniform 192-row
+// tiles over few experts only). Letting the warpgroup whose 64 rows are all padding skip its
+// wgmma everywhere was measured slower on the H200 (DeepSeek-V3 GEMM1 at M = 8192 +22 % with
+// 128-row tiles, M = 4096 0.93x with 192-row ones; BENCHMARKS.md), probably because the faster
+// tiles fall out of step with those that share their weight tiles in L2.
 //
 // ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
 // weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
