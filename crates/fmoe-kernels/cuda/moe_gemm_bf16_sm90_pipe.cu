@@ -75,6 +75,10 @@
 #ifndef SKIP_PAD_WG
 #define SKIP_PAD_WG 0
 #endif
+// N_OUT_EVEN=1: n_out is even (the host checks), so the epilogue stores column pairs only.
+#ifndef N_OUT_EVEN
+#define N_OUT_EVEN 0
+#endif
 #define BK 64
 // MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
 // three of 64 rows each.
@@ -305,10 +309,10 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             const unsigned int rt = sorted_routes[m0 + cm * 64 + (warp & 3) * 16 + g + half * 8];
             if (rt >= num_routes) continue;
 #if MODE == 1
-            silu_mul_row<CW_N, false>(acc, half, t4, 1.0f, h_out + (unsigned long long)rt * n_out,
+            silu_mul_row<CW_N, N_OUT_EVEN>(acc, half, t4, 1.0f, h_out + (unsigned long long)rt * n_out,
                                tc.n_tile * (WG_N / 2) + cn * (CW_N / 2), n_out, 0);
 #else
-            gemm2_row<CW_N, false>(acc, half, t4, 1.0f, topk_weights[rt], y32, rt, top_k, tc.n_tile * WG_N + cn * CW_N,
+            gemm2_row<CW_N, N_OUT_EVEN>(acc, half, t4, 1.0f, topk_weights[rt], y32, rt, top_k, tc.n_tile * WG_N + cn * CW_N,
                                    n_out);
 #endif
         }

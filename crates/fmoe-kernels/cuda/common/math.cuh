@@ -4,8 +4,11 @@
 #ifndef FMOE_COMMON_MATH_CUH
 #define FMOE_COMMON_MATH_CUH
 
-// SiLU, x * sigmoid(x), as x / (1 + e^-x) with the fast __expf (a few ulps off expf).
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+// SiLU, x * sigmoid(x), as x / (1 + e^-x) with the fast __expf and the fast division (each a few
+// ulps off; far below bf16's rounding). The IEEE division's Newton steps and slow-path branch were
+// most of the GEMM1 epilogue's instructions, which the MMA warps run while the tensor cores idle.
+// e^-x = inf (x < -88) divides to -0, as IEEE does.
+__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
 // Max over the 32 lanes of a warp (every lane gets it); all lanes must be active. Non-negative
 // floats compare as their bits, so the amax reductions pass |x| bits through this.

@@ -785,6 +785,17 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             defines,
         });
     }
+    // The pipe kernels' even-width builds (every real model's; launch_gemm adds the define last).
+    let even: Vec<KernelVariant> = v
+        .iter()
+        .filter(|k| k.family == GEMM_SM90_PIPE_FAMILY)
+        .map(|k| {
+            let mut k = k.clone();
+            k.defines.push(n_out_even_define());
+            k
+        })
+        .collect();
+    v.extend(even);
     for out_f32 in ["0", "1"] {
         v.push(KernelVariant {
             family: FINALIZE_FAMILY,
@@ -1273,6 +1284,9 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
     if g.route_rows {
         defines.push(route_rows_define());
     }
+    if matches!(cfg.kind, GemmKind::Sm90Pipe { .. }) && g.n_out.is_multiple_of(2) {
+        defines.push(n_out_even_define());
+    }
     let (f, pdl) = crate::launch::load_chain(backend, family, source, GEMM_ENTRY, &defines)?;
     let smem = cfg.smem_bytes();
     opt_in_smem(&f, smem, "moe_gemm_bf16: shared memory opt-in")?;
@@ -1564,6 +1578,13 @@ fn dev_route_rows() -> Option<bool> {
 /// The define of a route-rows GEMM2 (`common/moe_epilogue.cuh` `gemm2_row`).
 pub(super) fn route_rows_define() -> (&'static str, String) {
     ("ROUTE_ROWS", "1".to_string())
+}
+
+/// `-D N_OUT_EVEN=1`: the pipe kernel's epilogue stores column pairs only (every real model: its
+/// output width is the other GEMM's reduction, a multiple of [`K_MULTIPLE`]). Without it the
+/// epilogue also carries the odd-width path, which doubled its instructions (ptxas, MODE 1).
+fn n_out_even_define() -> (&'static str, String) {
+    ("N_OUT_EVEN", "1".to_string())
 }
 
 /// Top-k from which [`route_rows_pay`] picks per-route rows.
