@@ -7,8 +7,14 @@
 // SiLU, x * sigmoid(x), as x / (1 + e^-x) with the fast __expf and the fast division (each a few
 // ulps off; far below bf16's rounding). The IEEE division's Newton steps and slow-path branch were
 // most of the GEMM1 epilogue's instructions, which the MMA warps run while the tensor cores idle.
-// e^-x = inf (x < -88) divides to -0, as IEEE does.
-__device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+// e^-x = inf (x < -88) divides to -0, as IEEE does. e^-x is __expf's ex2.approx with denormal
+// results flushed (x > 87, where 1 + e^-x rounds to 1 either way): the same values without
+// __expf's denormal fix-up around the MUFU.
+__device__ __forceinline__ float silu(float x) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * -1.4426950408889634f));
+    return __fdividef(x, 1.0f + e);
+}
 
 // Max over the 32 lanes of a warp (every lane gets it); all lanes must be active. Non-negative
 // floats compare as their bits, so the amax reductions pass |x| bits through this.

@@ -26,14 +26,29 @@ __device__ __forceinline__ unsigned int silu_mul_row(const float (&acc)[N / 2], 
                                                      const float scale, __nv_bfloat16* __restrict__ h_row,
                                                      const unsigned int n0, const unsigned int n_out,
                                                      unsigned int hmax) {
+    if (EVEN_N) {
+        // Pairs only: one row pointer, every pair computed, the stores predicated (no branch per
+        // pair; columns past n_out hold finite products of the next weight rows).
+        __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(h_row + n0 + 2 * t);
+#pragma unroll
+        for (int j = 0; j < N / 16; ++j) {
+            const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
+            const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
+            const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+            if (n0 + j * 8 + 2 * t < n_out) {
+                out[j * 4] = hv;
+                hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
+            }
+        }
+        return hmax;
+    }
 #pragma unroll
     for (int j = 0; j < N / 16; ++j) {
         const unsigned int n = n0 + j * 8 + 2 * t;
-        if (EVEN_N && n >= n_out) continue;
         const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
         const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
         const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
-        if (EVEN_N || (n + 1 < n_out && (n_out & 1) == 0)) {
+        if (n + 1 < n_out && (n_out & 1) == 0) {
             *reinterpret_cast<__nv_bfloat162*>(h_row + n) = hv;
             hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
         } else {
