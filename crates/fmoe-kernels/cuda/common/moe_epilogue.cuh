@@ -6,9 +6,8 @@
 // per-tensor: a_scale * w_scale; bf16: 1, exact). Adjacent column pairs go out as one bf16x2 store
 // or one 8-byte reduction when n_out is even (then every pair is aligned); otherwise one by one.
 // EVEN_N: the caller's contract already makes n_out even (the fp8 kernels; the bf16 pipe kernel's
-// N_OUT_EVEN builds): no one-by-one path, and
-// the fp8 kernels compile to the same SASS as their epilogues did before this header
-// (scripts/cuda/cubin_fingerprint.py --compare).
+// N_OUT_EVEN builds): pairs only, and GEMM1's every pair computed with its store predicated, so
+// the epilogue has no branch per pair (the MMA warps run it while the tensor cores wait).
 
 #ifndef FMOE_COMMON_MOE_EPILOGUE_CUH
 #define FMOE_COMMON_MOE_EPILOGUE_CUH

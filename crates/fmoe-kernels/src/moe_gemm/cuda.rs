@@ -785,7 +785,8 @@ pub(super) fn variants() -> Vec<KernelVariant> {
             defines,
         });
     }
-    // The pipe kernels' even-width builds (every real model's; launch_gemm adds the define last).
+    // The pipe kernels' even-width builds (every real model's; launch_gemm adds the define after
+    // ROUTE_ROWS).
     let even: Vec<KernelVariant> = v
         .iter()
         .filter(|k| k.family == GEMM_SM90_PIPE_FAMILY)
