@@ -33,8 +33,13 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Warnings (an unwritable kernel cache, an ignored dev knob) show without RUST_LOG; RUST_LOG
+    // (e.g. `info` for the layers' kernel choice) replaces that default.
+    let filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+        .from_env_lossy();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

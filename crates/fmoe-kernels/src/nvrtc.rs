@@ -391,7 +391,7 @@ fn parse_extra_defines(v: &str) -> Vec<(String, String)> {
                     out.push((fam.to_string(), format!("-D{d}")));
                 }
             }
-            None => eprintln!("fmoe: {DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored"),
+            None => tracing::warn!("{DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored"),
         }
     }
     out

@@ -302,8 +302,8 @@ fn sm90_large() -> GemmConfig {
             Some((_, cfg)) => *cfg,
             None => {
                 let names: Vec<&str> = SM90_LARGE_EXPERIMENTS.iter().map(|(n, _)| *n).collect();
-                eprintln!(
-                    "fmoe: {DEV_SM90_LARGE_ENV}={name:?} is not one of {names:?}; using the default"
+                fmoe_core::tracing::warn!(
+                    "{DEV_SM90_LARGE_ENV}={name:?} is not one of {names:?}; using the default"
                 );
                 SM90_LARGE
             }
@@ -355,7 +355,9 @@ fn mid_max_routes_per_expert() -> usize {
         Ok("on") => MID_TILE_MAX_ROUTES_PER_EXPERT,
         Ok("wide") => 512,
         Ok(other) => {
-            eprintln!("fmoe: {DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off");
+            fmoe_core::tracing::warn!(
+                "{DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off"
+            );
             0
         }
     })
@@ -443,7 +445,7 @@ fn dev_range(
             None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
         };
         parsed.unwrap_or_else(|| {
-            eprintln!("fmoe: {name}={v:?} is not <lo>-<hi> or 0; using the default");
+            fmoe_core::tracing::warn!("{name}={v:?} is not <lo>-<hi> or 0; using the default");
             default.clone()
         })
     })
@@ -466,7 +468,7 @@ fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Op
         let v = std::env::var(name).ok()?;
         let n = v.parse::<usize>().ok();
         if n.is_none() {
-            eprintln!("fmoe: {name}={v:?} is not an integer; ignored");
+            fmoe_core::tracing::warn!("{name}={v:?} is not an integer; ignored");
         }
         n
     })
@@ -1173,7 +1175,7 @@ fn dev_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
         Err(_) | Ok("on") => true,
         Ok("off") => false,
         Ok(v) => {
-            eprintln!("fmoe: {name}={v:?} is not on or off; using on");
+            fmoe_core::tracing::warn!("{name}={v:?} is not on or off; using on");
             true
         }
     })
@@ -1570,7 +1572,9 @@ fn dev_route_rows() -> Option<bool> {
         Ok("on") => Some(true),
         Ok("off") => Some(false),
         Ok(v) => {
-            eprintln!("fmoe: {DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
+            fmoe_core::tracing::warn!(
+                "{DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto"
+            );
             None
         }
     })

@@ -408,8 +408,8 @@ pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
         Err(_) | Ok("dyn") => PersistMode::Dynamic,
         Ok("dyn1") => PersistMode::DynamicGemm1,
         Ok(v) => {
-            eprintln!(
-                "fmoe: {DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
+            fmoe_core::tracing::warn!(
+                "{DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
                  dyn1; using the default (dyn)"
             );
             PersistMode::Dynamic
@@ -475,8 +475,8 @@ pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
         Ok(v) => match v.parse::<usize>() {
             Ok(n) if (2..=6).contains(&n) => Some(n),
             _ => {
-                eprintln!(
-                    "fmoe: {DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
+                fmoe_core::tracing::warn!(
+                    "{DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
                      using the default"
                 );
                 Some(0)
@@ -502,8 +502,8 @@ fn dev_swapab_bn() -> Option<usize> {
             .ok()
             .filter(|b| SWAPAB_ROUTE_BLOCKS.contains(b));
         if bn.is_none() {
-            eprintln!(
-                "fmoe: {DEV_SWAPAB_BN_ENV}={v:?} is not one of {SWAPAB_ROUTE_BLOCKS:?}; ignored"
+            fmoe_core::tracing::warn!(
+                "{DEV_SWAPAB_BN_ENV}={v:?} is not one of {SWAPAB_ROUTE_BLOCKS:?}; ignored"
             );
         }
         bn
@@ -534,7 +534,9 @@ fn dev_raster_gm() -> Option<usize> {
         let v = std::env::var(DEV_FP8_RASTER_GM_ENV).ok()?;
         let gm = v.parse::<usize>().ok().filter(|g| (1..=64).contains(g));
         if gm.is_none() {
-            eprintln!("fmoe: {DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored");
+            fmoe_core::tracing::warn!(
+                "{DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored"
+            );
         }
         gm
     })
@@ -548,18 +550,19 @@ fn dev_raster_gm() -> Option<usize> {
 /// `FMOE_DEV_FP8_LONE_WG=<all|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
 fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
     static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    let (tensor, block) = *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LONE_WG_ENV).as_deref() {
-        Ok("block") => (false, true),
-        Err(_) | Ok("all") => (true, true),
-        Ok("off") => (false, false),
-        Ok(other) => {
-            eprintln!(
-                "fmoe: {DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"all\", \"block\", \"off\"]; \
+    let (tensor, block) =
+        *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LONE_WG_ENV).as_deref() {
+            Ok("block") => (false, true),
+            Err(_) | Ok("all") => (true, true),
+            Ok("off") => (false, false),
+            Ok(other) => {
+                fmoe_core::tracing::warn!(
+                    "{DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"all\", \"block\", \"off\"]; \
                  using all"
-            );
-            (true, true)
-        }
-    });
+                );
+                (true, true)
+            }
+        });
     match scheme {
         Fp8Scheme::PerTensor => tensor,
         Fp8Scheme::Block => block,
@@ -592,8 +595,8 @@ fn dev_large() -> DevLarge {
         Ok("promote-ordered") => DevLarge::Promote(0, 0, true),
         Ok("promote-gemm2-ordered") => DevLarge::Promote(2, 0, true),
         Ok(other) => {
-            eprintln!(
-                "fmoe: {DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
+            fmoe_core::tracing::warn!(
+                "{DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
                  \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
                  \"promote-gemm2-halves\", \"promote-ordered\", \"promote-gemm2-ordered\"]; \
                  using the default"
