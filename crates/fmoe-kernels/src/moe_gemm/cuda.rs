@@ -34,6 +34,7 @@ use std::sync::Arc;
 
 use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
+use fmoe_core::tracing;
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
 use super::cuda_fp8::{swapab_route_block, swapab_stages, swapab_stages_for};
@@ -302,7 +303,7 @@ fn sm90_large() -> GemmConfig {
             Some((_, cfg)) => *cfg,
             None => {
                 let names: Vec<&str> = SM90_LARGE_EXPERIMENTS.iter().map(|(n, _)| *n).collect();
-                fmoe_core::tracing::warn!(
+                tracing::warn!(
                     "{DEV_SM90_LARGE_ENV}={name:?} is not one of {names:?}; using the default"
                 );
                 SM90_LARGE
@@ -355,9 +356,7 @@ fn mid_max_routes_per_expert() -> usize {
         Ok("on") => MID_TILE_MAX_ROUTES_PER_EXPERT,
         Ok("wide") => 512,
         Ok(other) => {
-            fmoe_core::tracing::warn!(
-                "{DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off"
-            );
+            tracing::warn!("{DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off");
             0
         }
     })
@@ -445,7 +444,7 @@ fn dev_range(
             None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
         };
         parsed.unwrap_or_else(|| {
-            fmoe_core::tracing::warn!("{name}={v:?} is not <lo>-<hi> or 0; using the default");
+            tracing::warn!("{name}={v:?} is not <lo>-<hi> or 0; using the default");
             default.clone()
         })
     })
@@ -468,7 +467,7 @@ fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Op
         let v = std::env::var(name).ok()?;
         let n = v.parse::<usize>().ok();
         if n.is_none() {
-            fmoe_core::tracing::warn!("{name}={v:?} is not an integer; ignored");
+            tracing::warn!("{name}={v:?} is not an integer; ignored");
         }
         n
     })
@@ -1175,7 +1174,7 @@ fn dev_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
         Err(_) | Ok("on") => true,
         Ok("off") => false,
         Ok(v) => {
-            fmoe_core::tracing::warn!("{name}={v:?} is not on or off; using on");
+            tracing::warn!("{name}={v:?} is not on or off; using on");
             true
         }
     })
@@ -1572,9 +1571,7 @@ fn dev_route_rows() -> Option<bool> {
         Ok("on") => Some(true),
         Ok("off") => Some(false),
         Ok(v) => {
-            fmoe_core::tracing::warn!(
-                "{DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto"
-            );
+            tracing::warn!("{DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
             None
         }
     })

@@ -101,6 +101,7 @@ use super::cuda::{
     large_tile_routes_per_expert, swapab_routes_per_expert, swapab_wide_routes_per_expert,
 };
 use crate::catalog::KernelVariant;
+use fmoe_core::tracing;
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
 pub(super) use support::{check_support, is_fp8_act, is_fp8_weight};
@@ -408,7 +409,7 @@ pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
         Err(_) | Ok("dyn") => PersistMode::Dynamic,
         Ok("dyn1") => PersistMode::DynamicGemm1,
         Ok(v) => {
-            fmoe_core::tracing::warn!(
+            tracing::warn!(
                 "{DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
                  dyn1; using the default (dyn)"
             );
@@ -475,7 +476,7 @@ pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
         Ok(v) => match v.parse::<usize>() {
             Ok(n) if (2..=6).contains(&n) => Some(n),
             _ => {
-                fmoe_core::tracing::warn!(
+                tracing::warn!(
                     "{DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
                      using the default"
                 );
@@ -502,7 +503,7 @@ fn dev_swapab_bn() -> Option<usize> {
             .ok()
             .filter(|b| SWAPAB_ROUTE_BLOCKS.contains(b));
         if bn.is_none() {
-            fmoe_core::tracing::warn!(
+            tracing::warn!(
                 "{DEV_SWAPAB_BN_ENV}={v:?} is not one of {SWAPAB_ROUTE_BLOCKS:?}; ignored"
             );
         }
@@ -534,9 +535,7 @@ fn dev_raster_gm() -> Option<usize> {
         let v = std::env::var(DEV_FP8_RASTER_GM_ENV).ok()?;
         let gm = v.parse::<usize>().ok().filter(|g| (1..=64).contains(g));
         if gm.is_none() {
-            fmoe_core::tracing::warn!(
-                "{DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored"
-            );
+            tracing::warn!("{DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored");
         }
         gm
     })
@@ -556,7 +555,7 @@ fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
             Err(_) | Ok("all") => (true, true),
             Ok("off") => (false, false),
             Ok(other) => {
-                fmoe_core::tracing::warn!(
+                tracing::warn!(
                     "{DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"all\", \"block\", \"off\"]; \
                  using all"
                 );
@@ -595,7 +594,7 @@ fn dev_large() -> DevLarge {
         Ok("promote-ordered") => DevLarge::Promote(0, 0, true),
         Ok("promote-gemm2-ordered") => DevLarge::Promote(2, 0, true),
         Ok(other) => {
-            fmoe_core::tracing::warn!(
+            tracing::warn!(
                 "{DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
                  \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
                  \"promote-gemm2-halves\", \"promote-ordered\", \"promote-gemm2-ordered\"]; \
