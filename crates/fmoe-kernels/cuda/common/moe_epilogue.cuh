@@ -17,6 +17,21 @@
 #include "common/atomics.cuh"
 #include "common/math.cuh"
 
+// The bf16 pair h = silu(gate) * up of output columns 8j + 2t, 8j + 2t + 1 of the slab (gate in its
+// first N / 2 columns, up in the rest), each dot product scaled first.
+template <int N>
+__device__ __forceinline__ __nv_bfloat162 silu_mul_pair(const float (&acc)[N / 2], const int half, const int j,
+                                                        const float scale) {
+    const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
+    const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
+    return __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+}
+
+// max(hmax, the bits of the pair's larger |h|).
+__device__ __forceinline__ unsigned int pair_amax(unsigned int hmax, __nv_bfloat162 hv) {
+    return max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
+}
+
 // GEMM1: h_row[n] = bf16(silu(gate) * up) for the N / 2 output columns from n0, gate the slab's
 // first N / 2 columns, up the rest. Returns max(hmax, the bits of the row's max |h| as stored)
 // (non-negative floats order as unsigned ints), for the per-tensor requantization of h.
@@ -31,12 +46,10 @@ __device__ __forceinline__ unsigned int silu_mul_row(const float (&acc)[N / 2], 
         __nv_bfloat162* out = reinterpret_cast<__nv_bfloat162*>(h_row + n0 + 2 * t);
 #pragma unroll
         for (int j = 0; j < N / 16; ++j) {
-            const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
-            const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
-            const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+            const __nv_bfloat162 hv = silu_mul_pair<N>(acc, half, j, scale);
             if (n0 + j * 8 + 2 * t < n_out) {
                 out[j * 4] = hv;
-                hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
+                hmax = pair_amax(hmax, hv);
             }
         }
         return hmax;
@@ -44,12 +57,10 @@ __device__ __forceinline__ unsigned int silu_mul_row(const float (&acc)[N / 2], 
 #pragma unroll
     for (int j = 0; j < N / 16; ++j) {
         const unsigned int n = n0 + j * 8 + 2 * t;
-        const float g0 = acc[4 * j + 2 * half] * scale, g1 = acc[4 * j + 2 * half + 1] * scale;
-        const float u0 = acc[4 * (j + N / 16) + 2 * half] * scale, u1 = acc[4 * (j + N / 16) + 2 * half + 1] * scale;
-        const __nv_bfloat162 hv = __floats2bfloat162_rn(silu(g0) * u0, silu(g1) * u1);
+        const __nv_bfloat162 hv = silu_mul_pair<N>(acc, half, j, scale);
         if (n + 1 < n_out && (n_out & 1) == 0) {
             *reinterpret_cast<__nv_bfloat162*>(h_row + n) = hv;
-            hmax = max(hmax, max(__float_as_uint(fabsf(__low2float(hv))), __float_as_uint(fabsf(__high2float(hv)))));
+            hmax = pair_amax(hmax, hv);
         } else {
             if (n < n_out) {
                 h_row[n] = __low2bfloat16(hv);
