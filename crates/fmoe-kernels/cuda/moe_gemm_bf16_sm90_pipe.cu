@@ -32,6 +32,11 @@
 // 128-row tiles, M = 4096 0.93x with 192-row ones; BENCHMARKS.md), probably because the faster
 // tiles fall out of step with those that share their weight tiles in L2.
 //
+// CLUSTER=2 (BM = 128, DYNAMIC; cuda.rs decides): 2-block clusters as in moe_gemm_fp8_sm90_ws.cu
+// (read there): a unit is (N tile, M blocks 2p and 2p + 1, split), rank r taking block 2p + r;
+// when both are one expert's, each copies one 128-row half of the weight tile (MODE 1: the gate
+// or the up rows; MODE 2: rows 128r.., the tensor map's box is 128 rows) into both by TMA multicast.
+//
 // ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
 // weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
 //
@@ -79,6 +84,15 @@
 #ifndef N_OUT_EVEN
 #define N_OUT_EVEN 0
 #endif
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+#if CLUSTER == 2
+#define CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#define PAIR_GM ((RASTER_GM + 1) / 2)  // pairs per raster group
+#else
+#define CLUSTER_DIMS
+#endif
 #define BK 64
 // MMA warpgroups: two (BM = 128: 64 rows each; BM = 64: 128 weight rows each) or, for BM = 192,
 // three of 64 rows each.
@@ -100,8 +114,16 @@ static_assert(BM == 192 || WG_N == 256, "the 64- and 128-row tiles read 256 weig
 static_assert(BM == 64 || BM == 128 || BM == 192, "MMA warpgroups of 64 rows, or 64 rows x 2 halves of N");
 static_assert(!DYNAMIC || PERSIST, "the dynamic schedule is a persistent grid's");
 static_assert(!SKIP_PAD_WG || BM == 192, "padding warpgroups skip 192-row tiles only");
+static_assert(CLUSTER == 1 || (CLUSTER == 2 && BM == 128 && DYNAMIC), "pairs of claimed 128-row tiles");
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+// An MMA warp's release of ring slot s (CLUSTER=2: to both blocks' loaders).
+#if CLUSTER == 2
+#define RELEASE_STAGE(s) pair_release(empty0 + 8 * (s), peer_empty0 + 8 * (s), lane)
+#else
+#define RELEASE_STAGE(s) warp_arrive(empty0 + 8 * (s), lane)
+#endif
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) CLUSTER_DIMS
 fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __restrict__ w,
                    const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
                    const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
@@ -119,6 +141,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
     __shared__ unsigned int tile_ring[2];
 #endif
+#if CLUSTER == 2
+    __shared__ unsigned int loader_ring[2];  // thread 0's unit ids for the other loaders
+#endif
 
     const unsigned int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const unsigned int g = lane >> 2, t4 = lane & 3, wg = tid >> 7;
@@ -133,7 +158,14 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     // segment of mixed tiles is sized as if every route were in it).
     m_blocks = min(m_blocks, (m_total + BM - 1) / BM);
 #endif
+#if CLUSTER == 2
+    const unsigned int crank = cluster_rank();
+    const unsigned int m_pairs = (m_blocks + 1) / 2;
+    const unsigned int tiles = n_tiles * m_pairs * splits;  // units of a pair
+    const unsigned int peer_empty0 = cluster_map(empty0, crank ^ 1);
+#else
     const unsigned int tiles = n_tiles * m_blocks * splits;
+#endif
 #if DYNAMIC
 #elif PERSIST
     const unsigned int t_first = blockIdx.x, t_step = gridDim.x;
@@ -150,16 +182,25 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, LOADERS);
-            mbar_init(empty0 + 8 * s, 4 * MMA_WGS);  // one arrival per MMA warp
+            mbar_init(empty0 + 8 * s, 4 * MMA_WGS * CLUSTER);  // one arrival per MMA warp (of both blocks)
         }
 #if DYNAMIC
         for (int j = 0; j < 2; ++j) {
             mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_full[j])), 1);
-            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])), 4 * MMA_WGS);
+            // CLUSTER=2 (rank 0's): both blocks' MMA warps and rank 1's claimer.
+            mbar_init(static_cast<unsigned int>(__cvta_generic_to_shared(&tile_empty[j])),
+                      CLUSTER == 2 ? 8 * MMA_WGS + 1 : 4 * MMA_WGS);
         }
 #endif
+#if CLUSTER == 2
+        fence_mbarrier_init_cluster();
+#endif
     }
+#if CLUSTER == 2
+    cluster_sync();  // the peer's barriers exist before any remote arrival or multicast
+#else
     __syncthreads();
+#endif
 #if DYNAMIC
     const unsigned int tfull0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_full));
     const unsigned int tempty0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_empty));
@@ -173,19 +214,43 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #if DYNAMIC
         for (unsigned int j = 0;; ++j) {
             // Claim the block's j-th tile and publish it to the loaders and the MMA warps.
+#if CLUSTER == 2
+            if (tid == 0) loader_ring[j & 1] = pair_claim(j, tile_ring, tfull0, tempty0, tile_counter, crank);
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            const unsigned int t = loader_ring[j & 1];
+#else
             if (tid == 0) tile_claim(j, tile_ring, tfull0, tempty0, tile_counter);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             const unsigned int t = tile_ring[j & 1];
+#endif
             // The loaders have read slot j & 1 before thread 0 may refill it (two claims later,
             // after another bar.sync).
             if (t >= tiles) break;
 #else
         for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
+#if CLUSTER == 2
+            const TileWork w = tile_work(t, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, all_ktiles);
+            if (w.idle) continue;
+            const unsigned int pb = 2 * w.tc.m_block;  // the pair's first M block
+            const PipeTile tc = {w.tc.n_tile, pb + crank, w.tc.split};
+            const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+            if (m0 >= m_total) {
+                // Rank 1 past the routes: rank 0 loads its own tile; this ring keeps step, empty.
+                for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                    const unsigned int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                    cp_async_arrive_noinc(full0 + 8 * s);
+                }
+                continue;
+            }
+            const bool shared = (pb + 1) * BM < m_total && block_experts[pb] == block_experts[pb + 1];
+#else
             const TileWork w = tile_work(t, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, all_ktiles);
             if (w.idle) continue;
             const PipeTile tc = w.tc;
             const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
+#endif
             const unsigned int e = block_experts[tc.m_block];
 #if MODE == 1
             const int row0 = (int)((unsigned long long)e * w_rows) + (int)(tc.n_tile * (WG_N / 2));
@@ -211,7 +276,22 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
                     // Expected before this thread's own arrival, so the phase cannot complete
                     // without these bytes.
                     mbar_expect_tx(full_s, B_BYTES);
+#if CLUSTER == 2
+                    // Two 128-row boxes (MODE 1: gate rows, up rows; MODE 2: rows 0.., 128..);
+                    // a pair of one expert's blocks copies one each into both.
 #if MODE == 1
+                    const int box1 = row0 + (int)n_out;
+#else
+                    const int box1 = row0 + 128;
+#endif
+                    if (shared) {
+                        tma_load_2d_multicast(sa + A_BYTES + crank * (128 * 128), &b_map, (int)k0, crank ? box1 : row0,
+                                              full_s, 3);
+                    } else {
+                        tma_load_2d(sa + A_BYTES, &b_map, (int)k0, row0, full_s);
+                        tma_load_2d(sa + A_BYTES + 128 * 128, &b_map, (int)k0, box1, full_s);
+                    }
+#elif MODE == 1
 #pragma unroll
                     for (int h = 0; h < WG_N / CW_N; ++h) {
                         const unsigned int dst = sa + A_BYTES + h * CW_N * 128;
@@ -236,6 +316,9 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
         }
         // The last stages' arrivals are tied to these copies; let them land before the warps exit.
         asm volatile("cp.async.wait_all;\n" ::: "memory");
+#if CLUSTER == 2
+        cluster_sync();  // neither block leaves while the peer may still write or arrive here
+#endif
         return;
     }
 
@@ -244,15 +327,35 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
     const unsigned int cm = BM == 64 ? 0 : cw, cn = BM == 64 ? cw : 0;
 #if DYNAMIC
     for (unsigned int j = 0;; ++j) {
+#if CLUSTER == 2
+        const unsigned int t = pair_receive(j, tile_ring, tfull0, tempty0, lane);
+#else
         const unsigned int t = tile_receive(j, tile_ring, tfull0, tempty0, lane);
+#endif
         if (t >= tiles) break;
 #else
     for (unsigned int t = t_first; t < tiles; t += t_step) {
 #endif
+#if CLUSTER == 2
+        const TileWork w = tile_work(t, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, all_ktiles);
+        if (w.idle) continue;
+        const PipeTile tc = {w.tc.n_tile, 2 * w.tc.m_block + crank, w.tc.split};
+        const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+        if (m0 >= m_total) {
+            // Rank 1 past the routes: each empty stage goes back to both loaders (the pair's step).
+            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+                RELEASE_STAGE(s);
+            }
+            continue;
+        }
+#else
         const TileWork w = tile_work(t, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, all_ktiles);
         if (w.idle) continue;
         const PipeTile tc = w.tc;
         const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
+#endif
 #if SKIP_PAD_WG
         // All 64 rows padding (the first is: routes fill a block from its start): hand each stage
         // back once it is full, so the arrivals count toward its phase, and multiply nothing. (A
@@ -261,7 +364,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES;
                 mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-                warp_arrive(empty0 + 8 * s, lane);
+                RELEASE_STAGE(s);
             }
             continue;
         }
@@ -294,13 +397,13 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
             // The group of the previous K tile has retired: its slot goes back to the loader.
             wgmma_wait<1>();
             if (kt > 0) {
-                warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+                RELEASE_STAGE(((it - 1) % STAGES));
             }
         }
         wgmma_wait<0>();
         wgmma_fence_operands<CW_N / 2>(acc);
         // The last K tile's slot too: the loader may already be filling the next tile's stages.
-        warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+        RELEASE_STAGE(((it - 1) % STAGES));
 
         // Epilogue. acc[4j + q]: row 64 cm + 16 (warp % 4) + g (+8 for q >= 2), column 8j + 2t + (q & 1)
         // of this warpgroup's CW_N weight rows.
@@ -317,4 +420,7 @@ fmoe_moe_gemm_bf16(const __nv_bfloat16* __restrict__ a, const __nv_bfloat16* __r
 #endif
         }
     }
+#if CLUSTER == 2
+    cluster_sync();
+#endif
 }

@@ -62,10 +62,21 @@
 //   block of <= 64 routes) is multiplied by MMA warpgroup 1 alone; warpgroup 2 hands its stages
 //   back and takes its turns without multiplying (H200, DeepSeek-V3 fp8-block M = 2048: 1.05x).
 //
+// CLUSTER=2 (per-tensor's default where experts span blocks: cuda_fp8::Fp8GemmConfig::pairs):
+//   2-block clusters; a claimed unit is (N tile, a pair of M blocks 2p, 2p + 1, split), rank r
+//   taking block 2p + r. When both blocks are one expert's, each copies one 128-row half of the
+//   weight tile into both by TMA multicast, so a block reads 32 KB per K step from L2 instead of
+//   48; otherwise each loads its own, and a rank 1 past the routes passes its K steps through the
+//   ring without data (the pair's rings move in step: every empty barrier takes both blocks' 16
+//   MMA warps). Rank 0 claims the units and hands them to rank 1 (remote store + cluster-scope
+//   arrival); its tile-empty barriers count both blocks' readers. Slots go back by remote arrivals
+//   at CTA scope: a cluster-scope release there costs a GPU-wide MEMBAR per stage and warp.
+//   H200 (BENCHMARKS.md, "2-block clusters"): a third less L2 traffic, a tie to 1.04x.
+//
 // ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
 // weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
 //
-// Launch: grid (min(tiles, SMs), 1, 1) with tiles = ceil(n_out / (MODE 1 ? 128 : 256)) x
+// Launch: grid (min(tiles, SMs), 1, 1) (CLUSTER=2: 2 x min(units, SMs / 2)) with tiles = ceil(n_out / (MODE 1 ? 128 : 256)) x
 // capacity / 128 x (MODE 1 ? 1 : splits), 384 threads, dynamic shared memory
 // STAGES * (128 + 256) * 128 + 1024 bytes.
 
@@ -103,6 +114,16 @@ static_assert(!ORDER_MMA || (BLOCK_SCALED && !PIPE_PROMOTE), "ordered issue is f
 #endif
 #ifndef SKIP_PAD_WG
 #define SKIP_PAD_WG 0
+#endif
+#ifndef CLUSTER
+#define CLUSTER 1
+#endif
+static_assert(CLUSTER == 1 || CLUSTER == 2, "blocks per cluster");
+#if CLUSTER == 2
+#define CLUSTER_DIMS __cluster_dims__(2, 1, 1)
+#define PAIR_GM ((RASTER_GM + 1) / 2)  // pairs per raster group (RASTER_GM = 1: one pair)
+#else
+#define CLUSTER_DIMS
 #endif
 static_assert(!SKIP_PAD_WG || !PIPE_PROMOTE, "a lone warpgroup is for one accumulator chain per half or tile");
 #define BM 128
@@ -179,8 +200,15 @@ __device__ __forceinline__ void mma_turn_pass(unsigned int cw) {
 }
 #endif
 
+// An MMA warp's release of ring slot s (CLUSTER=2: to both blocks' loaders).
+#if CLUSTER == 2
+#define RELEASE_STAGE(s) pair_release(empty0 + 8 * (s), peer_empty0 + 8 * (s), lane)
+#else
+#define RELEASE_STAGE(s) warp_arrive(empty0 + 8 * (s), lane)
+#endif
+
 #if BLOCK_SCALED
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) CLUSTER_DIMS
 fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __restrict__ a_scale,
                         const unsigned char* __restrict__ w, const float* __restrict__ w_scale,
                         const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
@@ -194,7 +222,7 @@ fmoe_moe_gemm_fp8_block(const unsigned char* __restrict__ a, const float* __rest
     tile_counter = fmoe_pdl_fresh(tile_counter);
 #endif
 #else
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1) CLUSTER_DIMS
 fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __restrict__ w,
                   const unsigned int* __restrict__ sorted_routes, const unsigned int* __restrict__ block_experts,
                   const unsigned int* __restrict__ total, const float* __restrict__ topk_weights,
@@ -213,6 +241,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     // Tile ids from the loader to the MMA warps: slot c % 2 holds the block's c-th claimed tile.
     __shared__ __align__(8) unsigned long long tile_full[2], tile_empty[2];
     __shared__ unsigned int tile_ring[2];
+#if CLUSTER == 2
+    __shared__ unsigned int loader_ring[2];  // thread 0's unit ids for the other loaders
+#endif
     __shared__ unsigned int a_row[BM];  // the loaders' gathered A row of each tile row
 #if BLOCK_SCALED
     __shared__ float a_sc[STAGES][BM];  // A's group scale of each tile row for the stage's K block
@@ -231,7 +262,14 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     const unsigned int tempty0 = static_cast<unsigned int>(__cvta_generic_to_shared(tile_empty));
     const unsigned int kblocks = (kd + BK - 1) / BK, per_split = (kblocks + splits - 1) / splits;
     const unsigned int m_total = *total;
+#if CLUSTER == 2
+    const unsigned int crank = cluster_rank();
+    const unsigned int m_pairs = (m_blocks + 1) / 2;
+    const unsigned int tiles = n_tiles * m_pairs * splits;  // units of a pair
+    const unsigned int peer_empty0 = cluster_map(empty0, crank ^ 1);
+#else
     const unsigned int tiles = n_tiles * m_blocks * splits;
+#endif
 #if MODE == 1
     const unsigned int w_rows = 2 * n_out;
 #else
@@ -242,14 +280,25 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, LOADERS);  // one cp.async arrival per loader thread
-            mbar_init(empty0 + 8 * s, 8);       // one arrival per MMA warp
+            mbar_init(empty0 + 8 * s, 8 * CLUSTER);  // one arrival per MMA warp (of both blocks)
         }
         for (int j = 0; j < 2; ++j) {
             mbar_init(tfull0 + 8 * j, 1);
+#if CLUSTER == 2
+            mbar_init(tempty0 + 8 * j, 17);  // rank 0's: both blocks' MMA warps and rank 1's claimer
+#else
             mbar_init(tempty0 + 8 * j, 8);
+#endif
         }
+#if CLUSTER == 2
+        fence_mbarrier_init_cluster();
+#endif
     }
+#if CLUSTER == 2
+    cluster_sync();  // the peer's barriers exist before any remote arrival or multicast
+#else
     __syncthreads();
+#endif
 
     // it: K steps this block has run through the ring so far (slot it % STAGES, phase it / STAGES),
     // counted alike by the loaders and the MMA warps, which see the same tiles in the same order.
@@ -263,16 +312,40 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         unsigned int my_row;  // the gathered A row of tile row tid
         for (unsigned int claim = 0;; ++claim) {
             // Claim the block's claim-th tile and publish it to the loaders and the MMA warps.
+#if CLUSTER == 2
+            if (tid == 0) loader_ring[claim & 1] = pair_claim(claim, tile_ring, tfull0, tempty0, tile_counter, crank);
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            const unsigned int tl = loader_ring[claim & 1];
+#else
             if (tid == 0) tile_claim(claim, tile_ring, tfull0, tempty0, tile_counter);
             asm volatile("bar.sync 1, 128;\n" ::: "memory");
             const unsigned int tl = tile_ring[claim & 1];
+#endif
             // Every loader has read slot claim & 1 before thread 0 may refill it (two claims later,
             // after another bar.sync).
             if (tl >= tiles) break;
+#if CLUSTER == 2
+            const TileWork w = tile_work(tl, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, kblocks);
+            if (w.idle) continue;
+            const unsigned int pb = 2 * w.tc.m_block;  // the pair's first M block
+            const PipeTile tc = {w.tc.n_tile, pb + crank, w.tc.split};
+            const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+            if (m0 >= m_total) {
+                // Rank 1 past the routes: rank 0 loads its own tile; this ring keeps step, empty.
+                for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                    const unsigned int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                    cp_async_arrive_noinc(full0 + 8 * s);
+                }
+                continue;
+            }
+            const bool shared = (pb + 1) * BM < m_total && block_experts[pb] == block_experts[pb + 1];
+#else
             const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
             if (w.idle) continue;
             const PipeTile tc = w.tc;
             const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
+#endif
             const unsigned int e = block_experts[tc.m_block];
             // First weight row (within the expert) of each 128-row half of the tile.
 #if MODE == 1
@@ -317,14 +390,26 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
                 const unsigned int s = it % STAGES;
                 // Slot s last held K step it - STAGES: wait until the MMA warps released it.
+                // (CLUSTER=2: both blocks' MMA warps released it; the multicast writes both.)
                 if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
                 const unsigned int sa = ring + s * STAGE_BYTES, k0 = (first + kt) * BK, full_s = full0 + 8 * s;
                 if (tid == 0) {
                     // Expected before this thread's own arrival, so the phase cannot complete
                     // without these bytes.
                     mbar_expect_tx(full_s, B_BYTES);
+#if CLUSTER == 2
+                    if (shared) {
+                        // This rank's half into both blocks; the peer's half lands here likewise.
+                        tma_load_2d_multicast(sa + A_BYTES + crank * HALF_BYTES, &b_map, (int)k0,
+                                              row0 + (int)(crank ? half1 : half0), full_s, 3);
+                    } else {
+                        tma_load_2d(sa + A_BYTES, &b_map, (int)k0, row0 + (int)half0, full_s);
+                        tma_load_2d(sa + A_BYTES + HALF_BYTES, &b_map, (int)k0, row0 + (int)half1, full_s);
+                    }
+#else
                     tma_load_2d(sa + A_BYTES, &b_map, (int)k0, row0 + (int)half0, full_s);
                     tma_load_2d(sa + A_BYTES + HALF_BYTES, &b_map, (int)k0, row0 + (int)half1, full_s);
+#endif
                 }
                 const unsigned int col = k0 + ch * 16;
 #pragma unroll
@@ -355,6 +440,9 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         }
         // The last stages' arrivals are tied to these copies; let them land before the warps exit.
         asm volatile("cp.async.wait_all;\n" ::: "memory");
+#if CLUSTER == 2
+        cluster_sync();  // neither block leaves while the peer may still write or arrive here
+#endif
         return;
     }
 
@@ -373,17 +461,37 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
     if (cw == 1) mma_turn_pass(cw);  // warpgroup 0 issues first
 #endif
     for (unsigned int claim = 0;; ++claim) {
+#if CLUSTER == 2
+        const unsigned int tl = pair_receive(claim, tile_ring, tfull0, tempty0, lane);
+#else
         const unsigned int tl = tile_receive(claim, tile_ring, tfull0, tempty0, lane);
+#endif
         if (tl >= tiles) {
 #if ORDER_MMA
             if (cw == 0) mma_turn_wait(cw);  // warpgroup 1's last pass: every arrival is waited for
 #endif
             break;
         }
+#if CLUSTER == 2
+        const TileWork w = tile_work(tl, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, kblocks);
+        if (w.idle) continue;
+        const PipeTile tc = {w.tc.n_tile, 2 * w.tc.m_block + crank, w.tc.split};
+        const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+        if (m0 >= m_total) {
+            // Rank 1 past the routes: each empty stage goes back to both loaders (the pair's step).
+            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+                const unsigned int s = it % STAGES;
+                mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+                RELEASE_STAGE(s);
+            }
+            continue;
+        }
+#else
         const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
         if (w.idle) continue;
         const PipeTile tc = w.tc;
         const unsigned int m0 = w.m0, first = w.first, ktiles = w.ktiles;
+#endif
         const unsigned int e = block_experts[tc.m_block];
 #if MODE == 1
         const unsigned int n0 = tc.n_tile * (NB / 2);  // output columns n0 .. n0 + 127
@@ -407,7 +515,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                     mma_turn_pass(cw);
                 }
 #endif
-                warp_arrive(empty0 + 8 * s, lane);
+                RELEASE_STAGE(s);
             }
             continue;
         }
@@ -461,7 +569,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                     promote_quarter(acc, part[1], 3, psa0, psa1, pw10, pw11, thr1, t);
                     // The previous K block's wgmma all retired and its scales read: its slot goes
                     // back to the loaders.
-                    warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+                    RELEASE_STAGE(((it - 1) % STAGES));
                 } else if (q4 < 3) {
                     promote_quarter(acc, part[(q4 - 1) & 1], q4 - 1, sa0, sa1, w00, w01, thr0, t);
                 } else {
@@ -472,7 +580,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 wgmma_wait<0>();
                 wgmma_fence_operands<32>(part[1]);
                 promote_quarter(acc, part[1], 3, sa0, sa1, w10, w11, thr1, t);
-                warp_arrive(empty0 + 8 * s, lane);
+                RELEASE_STAGE(s);
             } else {
                 psa0 = sa0;
                 psa1 = sa1;
@@ -521,7 +629,7 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
                 promote<16>(acc + 64 * hf, part, 0, sa0, sa1, hf ? w10 : w00, hf ? w11 : w01, hf ? thr1 : thr0, t);
             }
             // Both halves' wgmma retired and the stage's scales read: the slot goes back to the loaders.
-            warp_arrive(empty0 + 8 * s, lane);
+            RELEASE_STAGE(s);
         }
 #endif  // PIPE_PROMOTE
 #else
@@ -539,13 +647,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             // The group of the previous K step has retired: its slot goes back to the loaders.
             wgmma_wait<1>();
             if (kt > 0) {
-                warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+                RELEASE_STAGE(((it - 1) % STAGES));
             }
         }
         wgmma_wait<0>();
         wgmma_fence_operands<NB / 2>(acc);
         // The last K step's slot too: the loaders may already be filling the next tile's stages.
-        warp_arrive(empty0 + 8 * ((it - 1) % STAGES), lane);
+        RELEASE_STAGE(((it - 1) % STAGES));
 #endif
 
         // Epilogue. acc[4j + 2h + q]: tile row r0 + 8h, weight-tile column 8j + 2t + q.
@@ -613,5 +721,8 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
         hmax = warp_max(hmax);
         if (lane == 0 && hmax != 0) atomicMax(h_amax, hmax);
     }
+#endif
+#if CLUSTER == 2
+    cluster_sync();
 #endif
 }

@@ -614,6 +614,20 @@ impl GemmConfig {
             GemmKind::SwapAb => super::cuda_fp8::swapab_threads(self.bm),
         }
     }
+    /// Whether the launch runs in 2-block clusters (`-D CLUSTER=2`, the pipe kernel's header): the
+    /// persistent claimed 128-row tiles, not one M block at a time (where no pair would share).
+    pub(super) fn pairs(&self) -> bool {
+        matches!(
+            self.kind,
+            GemmKind::Sm90Pipe {
+                persistent: true,
+                dynamic: true
+            }
+        ) && self.bm == 128
+            && self.raster_gm > 1
+            && dev_bf16_pair()
+    }
+
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
         (match self.kind {
@@ -662,6 +676,9 @@ impl GemmConfig {
                 }
                 if self.skip_pad_wg {
                     d.push(("SKIP_PAD_WG", "1".to_string()));
+                }
+                if self.pairs() {
+                    d.push(("CLUSTER", "2".to_string()));
                 }
             }
             GemmKind::SwapAb => {
@@ -1180,6 +1197,22 @@ fn dev_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
     })
 }
 
+/// Dev-only: `FMOE_DEV_BF16_PAIR=<on|off>` (default off) runs the persistent 128-row bf16 pipe
+/// GEMMs in 2-block clusters ([`GemmConfig::pairs`]; read once per process; not a user setting).
+pub const DEV_BF16_PAIR_ENV: &str = "FMOE_DEV_BF16_PAIR";
+
+fn dev_bf16_pair() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(DEV_BF16_PAIR_ENV).as_deref() {
+        Err(_) | Ok("off") => false,
+        Ok("on") => true,
+        Ok(v) => {
+            tracing::warn!("{DEV_BF16_PAIR_ENV}={v:?} is not on or off; using off");
+            false
+        }
+    })
+}
+
 /// Experts from which [`one_block_raster`] applies.
 pub const ONE_BLOCK_RASTER_MIN_EXPERTS: usize = 64;
 
@@ -1300,6 +1333,11 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         _ => false,
     };
     let grid = match cfg.kind {
+        // 2-block clusters walking units of (N tile, two M blocks, split): an even grid.
+        _ if cfg.pairs() => {
+            let units = (grid.0, grid.1.div_ceil(2), grid.2);
+            (2 * persistent_grid(op, units, sms / 2)?.0, 1, 1)
+        }
         _ if persistent => persistent_grid(op, grid, sms)?,
         // Route blocks fastest: an expert's blocks run together and share its weight tiles.
         GemmKind::SwapAb => (grid.1, grid.0, grid.2),
@@ -1334,7 +1372,8 @@ fn launch_gemm(op: &'static str, g: &Gemm<'_>, out: &mut CudaStorage) -> Result<
         // weight rows as two boxes (of 128 rows for BM = 128, of 64 for the pipe kernel's BM = 64).
         // Swap-AB: each 256-row tile is two boxes of 128 rows (gate and up, or two halves).
         let rows = g.w.len() / g.kd.max(1);
-        let box_rows = if cfg.kind == GemmKind::SwapAb {
+        let box_rows = if cfg.kind == GemmKind::SwapAb || cfg.pairs() {
+            // Pairs: every tile as two 128-row boxes (one per block of a sharing pair).
             128
         } else if g.mode == 1 {
             // Two boxes per MMA warpgroup's weight rows (BM = 64: each warpgroup has half).

@@ -234,7 +234,13 @@ pub(super) fn launch(
     // one block per SM.
     let (n_tiles32, m_blocks32, splits32) = grid;
     let persistent_swap_ab = cfg.swap_ab && super::swapab_persistent(cfg.bm, g.mode);
-    let grid = if cfg.ws || persistent_swap_ab {
+    let grid = if cfg.pairs() {
+        // 2-block clusters walking units of (N tile, two M blocks, split): an even grid.
+        let units = (n_tiles32, m_blocks32.div_ceil(2), splits32);
+        let (clusters, _, _) =
+            persistent_grid(op, units, backend.multiprocessor_count() as usize / 2)?;
+        (2 * clusters, 1, 1)
+    } else if cfg.ws || persistent_swap_ab {
         persistent_grid(op, grid, backend.multiprocessor_count() as usize)?
     } else if cfg.swap_ab {
         // Route blocks fastest: an expert's blocks run together and share its weight tiles.

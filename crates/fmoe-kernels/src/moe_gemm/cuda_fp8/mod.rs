@@ -571,6 +571,28 @@ fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
 /// Dev-only knob of `lone_warpgroup` (read once per process; not a user setting).
 pub const DEV_FP8_LONE_WG_ENV: &str = "FMOE_DEV_FP8_LONE_WG";
 
+/// Dev-only: `FMOE_DEV_FP8_PAIR=<tensor|all|off>` picks the schemes whose warp-specialized kernels
+/// run in 2-block clusters ([`Fp8GemmConfig::pairs`]; default `tensor`), so one binary can time
+/// them all (read once per process; not a user setting).
+pub const DEV_FP8_PAIR_ENV: &str = "FMOE_DEV_FP8_PAIR";
+
+/// [`DEV_FP8_PAIR_ENV`]: (per-tensor, block-scaled) pairs (an unknown value is reported once).
+fn dev_pair() -> (bool, bool) {
+    static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_PAIR_ENV).as_deref() {
+        Err(_) | Ok("tensor") => (true, false),
+        Ok("all") => (true, true),
+        Ok("off") => (false, false),
+        Ok(other) => {
+            tracing::warn!(
+                "{DEV_FP8_PAIR_ENV}={other:?} is not one of [\"tensor\", \"all\", \"off\"]; \
+                 using tensor"
+            );
+            (true, false)
+        }
+    })
+}
+
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum DevLarge {
@@ -800,6 +822,23 @@ impl Fp8GemmConfig {
         }
     }
 
+    /// Whether the launch runs in 2-block clusters (`-D CLUSTER=2`): the two M blocks of a pair
+    /// share the weight tile by TMA multicast when they are one expert's, so a block reads 32 KB
+    /// per K step from L2 instead of 48. Per-tensor, warp-specialized, and not walking one M block
+    /// at a time (there every expert fits one block and no pair would share). H200 (BENCHMARKS.md,
+    /// "2-block clusters"), per-tensor: Mixtral-8x7B M = 1024-16384 1.01-1.04× in two calls (a
+    /// third less L2 traffic; GEMM1 ran at a higher clock under the power cap), DeepSeek-V3 a tie;
+    /// block-scaled 0.94-1.02× (its MMA warps bound it, and the pair's rings move in step), so it
+    /// stays solo ([`DEV_FP8_PAIR_ENV`] overrides).
+    pub(super) fn pairs(&self) -> bool {
+        let (tensor, block) = dev_pair();
+        let scheme = match self.scheme {
+            Fp8Scheme::PerTensor => tensor,
+            Fp8Scheme::Block => block,
+        };
+        self.ws && self.raster_gm > 1 && scheme
+    }
+
     /// Dynamic shared memory per block (the sources' formulas).
     pub const fn smem_bytes(&self) -> u32 {
         if self.swap_ab {
@@ -856,6 +895,9 @@ impl Fp8GemmConfig {
             }
             if pipe == 0 && lone_warpgroup(self.scheme) {
                 d.push(("SKIP_PAD_WG", "1".to_string()));
+            }
+            if self.pairs() {
+                d.push(("CLUSTER", "2".to_string()));
             }
             return d;
         }
@@ -1126,6 +1168,33 @@ mod tests {
         // Whole waves already: splitting only adds partial sums; a ragged last wave is evened.
         assert_eq!(c.swap_ab_splits(8 * 132, 2048, 132), 1);
         assert_eq!(c.swap_ab_splits(300, 2048, 132), 4);
+    }
+
+    /// 2-block clusters: per-tensor prefill tiles in the grouped order only (the dev knob unset):
+    /// not block-scaled, not the one-block order (no pair would share), not the other kernels; and
+    /// the define follows.
+    #[test]
+    fn pairs_for_grouped_per_tensor_prefill_tiles_only() {
+        if std::env::var_os(DEV_FP8_PAIR_ENV).is_some() {
+            return; // the rule under test is the default
+        }
+        let one_block = Fp8GemmConfig {
+            raster_gm: 1,
+            ..FP8_TENSOR_LARGE
+        };
+        assert!(FP8_TENSOR_LARGE.pairs());
+        for c in [
+            FP8_BLOCK_LARGE,
+            one_block,
+            FP8_TENSOR_SMALL,
+            FP8_TENSOR_SYNC,
+            FP8_TENSOR_SWAPAB,
+        ] {
+            assert!(!c.pairs(), "{c:?}");
+        }
+        let cluster = |c: Fp8GemmConfig| c.defines(1).contains(&("CLUSTER", "2".to_string()));
+        assert!(cluster(FP8_TENSOR_LARGE));
+        assert!(!cluster(FP8_BLOCK_LARGE) && !cluster(one_block));
     }
 
     #[test]
