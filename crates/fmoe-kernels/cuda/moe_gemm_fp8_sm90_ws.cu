@@ -325,21 +325,16 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             // after another bar.sync).
             if (tl >= tiles) break;
 #if CLUSTER == 2
-            const TileWork w = tile_work(tl, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, kblocks);
+            const PairTile pt = pair_tile(tl, n_tiles, m_pairs, PAIR_GM, BM, m_total, per_split, kblocks, crank);
+            const TileWork w = pt.w;
             if (w.idle) continue;
-            const unsigned int pb = 2 * w.tc.m_block;  // the pair's first M block
-            const PipeTile tc = {w.tc.n_tile, pb + crank, w.tc.split};
-            const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+            const PipeTile tc = pt.tc;
+            const unsigned int m0 = pt.m0, first = w.first, ktiles = w.ktiles;
             if (m0 >= m_total) {
-                // Rank 1 past the routes: rank 0 loads its own tile; this ring keeps step, empty.
-                for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
-                    const unsigned int s = it % STAGES;
-                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
-                    cp_async_arrive_noinc(full0 + 8 * s);
-                }
+                pair_idle_loads<STAGES>(it, ktiles, full0, empty0);  // rank 0 loads its own tile
                 continue;
             }
-            const bool shared = (pb + 1) * BM < m_total && block_experts[pb] == block_experts[pb + 1];
+            const bool shared = pair_shares(2 * w.tc.m_block, BM, m_total, block_experts);
 #else
             const TileWork w = tile_work(tl, n_tiles, m_blocks, RASTER_GM, BM, m_total, per_split, kblocks);
             if (w.idle) continue;
@@ -473,17 +468,13 @@ fmoe_moe_gemm_fp8(const unsigned char* __restrict__ a, const unsigned char* __re
             break;
         }
 #if CLUSTER == 2
-        const TileWork w = tile_work(tl, n_tiles, m_pairs, PAIR_GM, 2 * BM, m_total, per_split, kblocks);
+        const PairTile pt = pair_tile(tl, n_tiles, m_pairs, PAIR_GM, BM, m_total, per_split, kblocks, crank);
+        const TileWork w = pt.w;
         if (w.idle) continue;
-        const PipeTile tc = {w.tc.n_tile, 2 * w.tc.m_block + crank, w.tc.split};
-        const unsigned int m0 = tc.m_block * BM, first = w.first, ktiles = w.ktiles;
+        const PipeTile tc = pt.tc;
+        const unsigned int m0 = pt.m0, first = w.first, ktiles = w.ktiles;
         if (m0 >= m_total) {
-            // Rank 1 past the routes: each empty stage goes back to both loaders (the pair's step).
-            for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
-                const unsigned int s = it % STAGES;
-                mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-                RELEASE_STAGE(s);
-            }
+            pair_idle_mma<STAGES>(it, ktiles, full0, empty0, peer_empty0, lane);  // rank 0's tile alone
             continue;
         }
 #else

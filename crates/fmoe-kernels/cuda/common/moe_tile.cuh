@@ -76,4 +76,26 @@ __device__ __forceinline__ TileWork tile_work(unsigned int t, unsigned int n_til
     return {tc, m0, first, ktiles, m0 >= m_total || ktiles == 0};
 }
 
+// A claimed unit of a 2-block cluster (CLUSTER=2 GEMMs; pair_claim of sm90_pipeline.cuh): the
+// pair's work over (n_tiles x m_pairs x splits) with 2 bm-row blocks per unit, and this rank's
+// tile (M block 2p + rank) with its first route row m0 (at or past m_total: rank 1 past the routes).
+struct PairTile {
+    TileWork w;
+    PipeTile tc;
+    unsigned int m0;
+};
+__device__ __forceinline__ PairTile pair_tile(unsigned int t, unsigned int n_tiles, unsigned int m_pairs,
+                                              unsigned int gm, unsigned int bm, unsigned int m_total,
+                                              unsigned int per_split, unsigned int all_ktiles, unsigned int crank) {
+    const TileWork w = tile_work(t, n_tiles, m_pairs, gm, 2 * bm, m_total, per_split, all_ktiles);
+    const PipeTile tc = {w.tc.n_tile, 2 * w.tc.m_block + crank, w.tc.split};
+    return {w, tc, tc.m_block * bm};
+}
+// Whether both blocks of the pair starting at M block pb hold routes of one expert (they then
+// share the weight tile).
+__device__ __forceinline__ bool pair_shares(unsigned int pb, unsigned int bm, unsigned int m_total,
+                                            const unsigned int* block_experts) {
+    return (pb + 1) * bm < m_total && block_experts[pb] == block_experts[pb + 1];
+}
+
 #endif  // FMOE_COMMON_MOE_TILE_CUH

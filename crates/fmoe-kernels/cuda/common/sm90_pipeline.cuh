@@ -176,4 +176,26 @@ __device__ __forceinline__ void pair_release(unsigned int bar, unsigned int peer
     }
 }
 
+// A rank past the routes keeps its pair's rings in step through the unit's ktiles K steps (its
+// peer loads its own tile): the loaders arrive on each stage without data once it is empty, the
+// MMA warps hand each stage back to both blocks once it is full. `it` as the kernels count it.
+template <int STAGES_>
+__device__ __forceinline__ void pair_idle_loads(unsigned int& it, unsigned int ktiles, unsigned int full0,
+                                                unsigned int empty0) {
+    for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+        const unsigned int s = it % STAGES_;
+        if (it >= STAGES_) mbar_wait(empty0 + 8 * s, ((it / STAGES_) - 1) & 1);
+        cp_async_arrive_noinc(full0 + 8 * s);
+    }
+}
+template <int STAGES_>
+__device__ __forceinline__ void pair_idle_mma(unsigned int& it, unsigned int ktiles, unsigned int full0,
+                                              unsigned int empty0, unsigned int peer_empty0, unsigned int lane) {
+    for (unsigned int kt = 0; kt < ktiles; ++kt, ++it) {
+        const unsigned int s = it % STAGES_;
+        mbar_wait(full0 + 8 * s, (it / STAGES_) & 1);
+        pair_release(empty0 + 8 * s, peer_empty0 + 8 * s, lane);
+    }
+}
+
 #endif  // FMOE_COMMON_SM90_PIPELINE_CUH
