@@ -76,9 +76,9 @@
 // ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
 // weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.
 //
-// Launch: grid (min(tiles, SMs), 1, 1) (CLUSTER=2: 2 x min(units, SMs / 2)) with tiles = ceil(n_out / (MODE 1 ? 128 : 256)) x
-// capacity / 128 x (MODE 1 ? 1 : splits), 384 threads, dynamic shared memory
-// STAGES * (128 + 256) * 128 + 1024 bytes.
+// Launch: grid (min(tiles, SMs), 1, 1) (CLUSTER=2: 2 x min(units, SMs / 2)) with tiles =
+// ceil(n_out / (MODE 1 ? 128 : 256)) x capacity / 128 x (MODE 1 ? 1 : splits), 384 threads,
+// dynamic shared memory STAGES * (128 + 256) * 128 + 1024 bytes.
 
 #include <cuda_bf16.h>
 
