@@ -546,22 +546,41 @@ fn dev_raster_gm() -> Option<usize> {
 /// first warpgroup multiplies it alone), both schemes: the block-scaled kernel's MMA warps bound
 /// it, so half such a tile's multiplies and promotions go (H200, DeepSeek-V3 M = 2048-16384:
 /// 1.02-1.05×; per-tensor 1.00-1.04×, BENCHMARKS.md, "a lone warpgroup"). Dev-only
-/// `FMOE_DEV_FP8_LONE_WG=<all|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
+/// `FMOE_DEV_FP8_LONE_WG=<all|tensor|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
 fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
     static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    let (tensor, block) =
-        *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LONE_WG_ENV).as_deref() {
-            Ok("block") => (false, true),
-            Err(_) | Ok("all") => (true, true),
-            Ok("off") => (false, false),
-            Ok(other) => {
+    dev_schemes(&CHOICE, DEV_FP8_LONE_WG_ENV, "all", scheme)
+}
+
+/// A dev knob naming the fp8 schemes a kernel feature applies to: `all`, `tensor`, `block` or
+/// `off` (unset: `default`; another value is reported once and `default` used), read once per
+/// process into `cell`. Whether it covers `scheme`.
+fn dev_schemes(
+    cell: &'static std::sync::OnceLock<(bool, bool)>,
+    name: &str,
+    default: &str,
+    scheme: Fp8Scheme,
+) -> bool {
+    let parse = |v: &str| match v {
+        "all" => Some((true, true)),
+        "tensor" => Some((true, false)),
+        "block" => Some((false, true)),
+        "off" => Some((false, false)),
+        _ => None,
+    };
+    let (tensor, block) = *cell.get_or_init(|| {
+        let fallback = parse(default).unwrap_or((false, false));
+        match std::env::var(name) {
+            Err(_) => fallback,
+            Ok(v) => parse(&v).unwrap_or_else(|| {
                 tracing::warn!(
-                    "{DEV_FP8_LONE_WG_ENV}={other:?} is not one of [\"all\", \"block\", \"off\"]; \
-                 using all"
+                    "{name}={v:?} is not one of [\"all\", \"tensor\", \"block\", \"off\"]; \
+                     using {default}"
                 );
-                (true, true)
-            }
-        });
+                fallback
+            }),
+        }
+    });
     match scheme {
         Fp8Scheme::PerTensor => tensor,
         Fp8Scheme::Block => block,
@@ -571,26 +590,15 @@ fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
 /// Dev-only knob of `lone_warpgroup` (read once per process; not a user setting).
 pub const DEV_FP8_LONE_WG_ENV: &str = "FMOE_DEV_FP8_LONE_WG";
 
-/// Dev-only: `FMOE_DEV_FP8_PAIR=<tensor|all|off>` picks the schemes whose warp-specialized kernels
-/// run in 2-block clusters ([`Fp8GemmConfig::pairs`]; default `tensor`), so one binary can time
-/// them all (read once per process; not a user setting).
+/// Dev-only: `FMOE_DEV_FP8_PAIR=<all|tensor|block|off>` picks the schemes whose warp-specialized
+/// kernels run in 2-block clusters ([`Fp8GemmConfig::pairs`]; default `tensor`), so one binary can
+/// time them all (read once per process; not a user setting).
 pub const DEV_FP8_PAIR_ENV: &str = "FMOE_DEV_FP8_PAIR";
 
-/// [`DEV_FP8_PAIR_ENV`]: (per-tensor, block-scaled) pairs (an unknown value is reported once).
-fn dev_pair() -> (bool, bool) {
+/// [`DEV_FP8_PAIR_ENV`] for `scheme`.
+fn dev_pair(scheme: Fp8Scheme) -> bool {
     static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_PAIR_ENV).as_deref() {
-        Err(_) | Ok("tensor") => (true, false),
-        Ok("all") => (true, true),
-        Ok("off") => (false, false),
-        Ok(other) => {
-            tracing::warn!(
-                "{DEV_FP8_PAIR_ENV}={other:?} is not one of [\"tensor\", \"all\", \"off\"]; \
-                 using tensor"
-            );
-            (true, false)
-        }
-    })
+    dev_schemes(&CHOICE, DEV_FP8_PAIR_ENV, "tensor", scheme)
 }
 
 /// What [`DEV_FP8_LARGE_ENV`] asks for.
@@ -831,12 +839,7 @@ impl Fp8GemmConfig {
     /// block-scaled 0.94-1.02× (its MMA warps bound it, and the pair's rings move in step), so it
     /// stays solo ([`DEV_FP8_PAIR_ENV`] overrides).
     pub(super) fn pairs(&self) -> bool {
-        let (tensor, block) = dev_pair();
-        let scheme = match self.scheme {
-            Fp8Scheme::PerTensor => tensor,
-            Fp8Scheme::Block => block,
-        };
-        self.ws && self.raster_gm > 1 && scheme
+        self.ws && self.raster_gm > 1 && dev_pair(self.scheme)
     }
 
     /// Dynamic shared memory per block (the sources' formulas).
