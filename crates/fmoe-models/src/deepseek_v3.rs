@@ -44,15 +44,12 @@ use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 use crate::config::QuantizationConfig;
 use crate::device::{self, DeviceCtx};
 use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
-use crate::layers::{
-    ExpertNames, Linear, LmEnds, Mla, MlaSpec, Mlp, MoeBlock, RmsNorm, RopeStyle, Rotary,
-    add_in_place,
-};
+use crate::input::{AttentionLayout, ForwardInput};
+use crate::kv_pool::KvPool;
+use crate::layers::{ExpertNames, Linear, MlaSpec, RopeStyle, Rotary};
 use crate::loader::Vb;
-use crate::model::{
-    CausalLm, ForwardBatch, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk,
-};
-use crate::{Error, Placement, Result};
+use crate::model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
+use crate::{Error, Result};
 
 pub use crate::config::DeepseekV3Config as Config;
 
@@ -66,47 +63,6 @@ pub struct RouterTrace {
     pub ids: Vec<u32>,
     /// [tokens, top_k] routing weights (renormalized and scaled).
     pub weights: Vec<f32>,
-}
-
-enum Ffn {
-    Dense(Mlp),
-    Moe(MoeBlock),
-}
-
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: Mla,
-    post_attention_layernorm: RmsNorm,
-    mlp: Ffn,
-}
-
-impl DecoderLayer {
-    fn load(
-        cfg: &Config,
-        i: usize,
-        spec: MlaSpec,
-        vb: &Vb,
-        quant: &QuantizationConfig,
-        moe: &MoeOptions,
-    ) -> Result<DecoderLayer> {
-        let h = cfg.hidden_size;
-        let input_layernorm = RmsNorm::load(&vb.pp("input_layernorm"), h, cfg.rms_norm_eps)?;
-        let self_attn = Mla::load(&vb.pp("self_attn"), spec, quant)?;
-        let post_attention_layernorm =
-            RmsNorm::load(&vb.pp("post_attention_layernorm"), h, cfg.rms_norm_eps)?;
-        let mlp = if cfg.is_moe_layer(i) {
-            let (gate, fused, bias) = load_moe(cfg, &vb.pp("mlp"), quant, moe, Device::Cpu)?;
-            Ffn::Moe(MoeBlock::with_selection_bias(gate, fused, bias))
-        } else {
-            Ffn::Dense(Mlp::load(&vb.pp("mlp"), h, cfg.intermediate_size, quant)?)
-        };
-        Ok(DecoderLayer {
-            input_layernorm,
-            self_attn,
-            post_attention_layernorm,
-            mlp,
-        })
-    }
 }
 
 /// Router gate (unquantized), routed experts + shared expert (on `device`) and the selection bias
@@ -161,18 +117,8 @@ fn load_moe(
 
 /// DeepSeek-V3 with a language-model head.
 pub struct DeepseekV3ForCausalLM {
-    path: ModelPath,
+    model: device::deepseek_v3::Model,
     info: ModelInfo,
-}
-
-enum ModelPath {
-    /// f32 layers on the host.
-    Host {
-        ends: LmEnds,
-        layers: Vec<DecoderLayer>,
-        rotary: Rotary,
-    },
-    Device(device::deepseek_v3::Model),
 }
 
 impl DeepseekV3ForCausalLM {
@@ -195,167 +141,84 @@ impl DeepseekV3ForCausalLM {
         (2 + head + layers) as u64
     }
 
-    /// Builds the host model (f32 layers on the CPU, [`Placement::Host`]) from `vb` (the
-    /// checkpoint root); `moe` picks the MoE method and kernels.
+    /// Builds the model from `vb` (the checkpoint root) on the CPU in f32 (the golden reference);
+    /// `moe` picks the MoE method and kernels.
     pub fn load(cfg: &Config, vb: &Vb, moe: &MoeOptions) -> Result<DeepseekV3ForCausalLM> {
-        DeepseekV3ForCausalLM::load_on(cfg, vb, moe, Placement::Host)
+        DeepseekV3ForCausalLM::load_on(cfg, vb, moe, Device::Cpu, None)
     }
 
-    /// Builds the model from `vb` (the checkpoint root) to run as `placement` says; `moe` picks
-    /// the MoE method and kernels (the experts live where the model runs).
+    /// Builds the model from `vb` (the checkpoint root) to run on `device` with activations in
+    /// `dtype` (default: f32 on the CPU, the checkpoint's 16-bit dtype on a GPU); `moe` picks the
+    /// MoE method and kernels (the experts live where the model runs).
     pub fn load_on(
         cfg: &Config,
         vb: &Vb,
         moe: &MoeOptions,
-        placement: Placement,
+        device: Device,
+        dtype: Option<DType>,
     ) -> Result<DeepseekV3ForCausalLM> {
         let bad = |m: String| Error::Options(format!("DeepseekV3ForCausalLM: {m}"));
         let quant = cfg.quantization().map_err(bad)?;
         let rope = cfg.rope().map_err(bad)?;
         let spec = MlaSpec::from_config(cfg).map_err(bad)?;
-        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let rotary = Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved);
-        let (path, kv_storage) = match placement {
-            Placement::Host => {
-                let m = vb.pp("model");
-                let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
-                let layers = (0..cfg.num_hidden_layers)
-                    .map(|i| DecoderLayer::load(cfg, i, spec, &m.pp("layers").pp(i), &quant, moe))
-                    .collect::<Result<Vec<_>>>()?;
-                (
-                    ModelPath::Host {
-                        ends,
-                        layers,
-                        rotary,
-                    },
-                    KvStorage::HostF32,
-                )
-            }
-            Placement::Device(device) => {
-                let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten());
-                let model =
-                    device::deepseek_v3::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
-                        let (gate, fused, bias) = load_moe(cfg, vb, &quant, moe, device)?;
-                        let gate = gate.dequantized(ctx.dtype)?.to_device(device)?;
-                        Ok((gate, fused, bias))
-                    })?;
-                (ModelPath::Device(model), ctx.kv_storage())
-            }
+        let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten(), dtype);
+        let kv_layout = KvLayout {
+            num_layers: cfg.num_hidden_layers,
+            streams: spec.cache_streams(),
         };
-        let mut model = DeepseekV3ForCausalLM {
-            path,
+        let model = device::deepseek_v3::Model::load(
+            cfg,
+            vb,
+            &quant,
+            rotary,
+            spec,
+            kv_layout.clone(),
+            ctx,
+            |vb| {
+                let (gate, fused, bias) = load_moe(cfg, vb, &quant, moe, device)?;
+                let gate = gate.dequantized(ctx.dtype)?.to_device(device)?;
+                Ok((gate, fused, bias))
+            },
+        )?;
+        let moe = model.moe_layers().next().map(|e| (e.scheme(), e.kernel().family));
+        Ok(DeepseekV3ForCausalLM {
             info: ModelInfo {
                 architecture: "DeepseekV3ForCausalLM",
-                vocab_size: v,
+                vocab_size: cfg.vocab_size,
                 max_position_embeddings: cfg.max_position_embeddings,
                 eos_token_ids: cfg.eos_token_ids(),
                 bos_token_id: cfg.bos_token_id,
-                kv_layout: KvLayout {
-                    num_layers: cfg.num_hidden_layers,
-                    streams: spec.cache_streams(),
-                },
-                kv_storage,
-                moe: None,
+                kv_layout,
+                device,
+                dtype: ctx.dtype,
+                attention_layout: AttentionLayout::Gathered,
+                attention: device::deepseek_v3::Model::attention_params(&spec),
+                moe,
             },
-        };
-        let moe = model
-            .moe_layers()
-            .next()
-            .map(|e| (e.scheme(), e.kernel().family));
-        model.info.moe = moe;
-        Ok(model)
+            model,
+        })
     }
 
     /// The MoE layers (kernel choice, method) for inspection.
-    pub fn moe_layers(&self) -> Box<dyn Iterator<Item = &FusedMoe> + '_> {
-        match &self.path {
-            ModelPath::Host { layers, .. } => {
-                Box::new(layers.iter().filter_map(|l| match &l.mlp {
-                    Ffn::Moe(b) => Some(b.experts()),
-                    Ffn::Dense(_) => None,
-                }))
-            }
-            ModelPath::Device(m) => Box::new(m.moe_layers()),
-        }
+    pub fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
+        self.model.moe_layers()
     }
 
-    /// The host path's attention blocks, for choosing how they attend ([`Mla::set_path`]); none
-    /// on the device path (it always decompresses).
-    pub fn attention_mut(&mut self) -> impl Iterator<Item = &mut Mla> {
-        let layers = match &mut self.path {
-            ModelPath::Host { layers, .. } => Some(layers),
-            ModelPath::Device(_) => None,
-        };
-        layers
-            .into_iter()
-            .flat_map(|l| l.iter_mut().map(|l| &mut l.self_attn))
-    }
-
-    /// [`CausalLm::forward`], also returning every MoE layer's routing of the batch's tokens.
+    /// [`CausalLm::forward`], also returning every MoE layer's routing of the step's tokens
+    /// (downloaded: a synchronization per MoE layer).
     pub fn forward_traced(
         &self,
-        chunks: &[SeqChunk],
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
-    ) -> Result<(Tensor, Vec<RouterTrace>)> {
-        let mut trace = Vec::new();
-        let logits = self.run(chunks, cache, which, Some(&mut trace))?;
-        Ok((logits, trace))
-    }
-
-    fn run(
-        &self,
-        chunks: &[SeqChunk],
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
-        mut trace: Option<&mut Vec<RouterTrace>>,
-    ) -> Result<Tensor> {
-        let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
-        let (ends, layers, rotary) = match &self.path {
-            ModelPath::Host {
-                ends,
-                layers,
-                rotary,
-            } => (ends, layers, rotary),
-            ModelPath::Device(m) => {
-                let Some(trace) = trace else {
-                    return m.forward(&batch, cache, which, None);
-                };
-                let mut topk = Vec::new();
-                let logits = m.forward(&batch, cache, which, Some(&mut topk))?;
-                for (layer, tk) in topk {
-                    trace.push(router_trace(layer, &tk)?);
-                }
-                return Ok(logits);
-            }
-        };
-        let t = batch.num_tokens();
-        let rope = rotary.table(&batch.positions);
-        let mut h = ends.embed(&batch.tokens)?;
-        for (i, layer) in layers.iter().enumerate() {
-            let a = layer.input_layernorm.forward(&h)?;
-            let a = layer
-                .self_attn
-                .forward(&a, &batch, rotary, &rope, i, cache)?;
-            add_in_place(&mut h, &a);
-            let m = layer.post_attention_layernorm.forward(&h)?;
-            let m = match &layer.mlp {
-                Ffn::Dense(mlp) => mlp.forward(&m, t)?,
-                Ffn::Moe(block) => match trace.as_deref_mut() {
-                    None => block.forward(&m, t)?,
-                    Some(trace) => {
-                        let mut topk = Vec::with_capacity(1);
-                        let y = block.forward_traced(&m, t, Some(&mut topk))?;
-                        for tk in topk {
-                            trace.push(router_trace(i, &tk)?);
-                        }
-                        y
-                    }
-                },
-            };
-            add_in_place(&mut h, &m);
-        }
-        ends.logits(&h, &batch, which, self.info.vocab_size)
+        input: &ForwardInput,
+        kv: &mut KvPool,
+    ) -> Result<(ForwardOutput, Vec<RouterTrace>)> {
+        let mut topk = Vec::new();
+        let out = self.model.forward(input, kv, Some(&mut topk))?;
+        let trace = topk
+            .into_iter()
+            .map(|(layer, tk)| router_trace(layer, &tk))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((out, trace))
     }
 }
 
@@ -375,12 +238,7 @@ impl CausalLm for DeepseekV3ForCausalLM {
         &self.info
     }
 
-    fn forward(
-        &self,
-        chunks: &[SeqChunk],
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
-    ) -> Result<Tensor> {
-        self.run(chunks, cache, which, None)
+    fn forward(&self, input: &ForwardInput, kv: &mut KvPool) -> Result<ForwardOutput> {
+        self.model.forward(input, kv, None)
     }
 }

@@ -11,19 +11,16 @@
 //!   loading by checkpoint names.
 //! - [`deepseek_v3`]: [`DeepseekV3ForCausalLM`] in the same shape (MLA, dense-first layers,
 //!   grouped sigmoid routing with a shared expert).
-//! - [`model`]: the interface to the engine: [`CausalLm`] (forward over [`SeqChunk`]s, logits
-//!   out) and [`KvCache`] (what the engine's cache provides: f32 host rows or device slabs,
-//!   [`KvStorage`]).
-//! - [`device`]: the device path, every layer on the model's device through fmoe-kernels' tensor
-//!   functions in the model's dtype (bf16); the model files pick it or the f32 host path per
-//!   [`Placement`].
+//! - [`model`]: the interface to the engine: [`CausalLm`] (one forward over a step's
+//!   [`ForwardInput`] and the engine's paged [`KvPool`], logits out on the device).
+//! - [`device`]: each model's one forward, every layer on the model's device through
+//!   fmoe-kernels' tensor functions (their CPU twins on the CPU).
 //!
 //! [`load`] ties them together: `config.json` → architecture → weights → model (+ tokenizer).
-//! [`LoadOptions::device`] places the whole model: the CPU runs the host path (every layer in f32
-//! from the stored weights: the golden reference), CUDA the device path (the MoE experts run where
-//! the model does). On the device path fp8 checkpoints' dense linears (attention, dense MLPs) are
-//! dequantized to the activation dtype at load; only the MoE experts stay fp8, served by the fp8
-//! MoE methods.
+//! [`LoadOptions::device`] places the whole model (the MoE experts included): on the CPU every
+//! layer computes in f32 from the stored weights (the golden reference), on CUDA in the
+//! checkpoint's bf16. fp8 checkpoints' dense linears (attention, dense MLPs) are dequantized to
+//! the activation dtype at load; only the MoE experts stay fp8, served by the fp8 MoE methods.
 //!
 //! ```no_run
 //! use fmoe_models::{LoadOptions, load};
@@ -36,6 +33,8 @@ pub mod config;
 pub mod deepseek_v3;
 pub mod device;
 mod error;
+pub mod input;
+pub mod kv_pool;
 pub mod layers;
 pub mod loader;
 pub mod mixtral;
@@ -52,9 +51,9 @@ pub use error::{Error, Result};
 pub use layers::moe::MoeOptions;
 pub use loader::{Checkpoint, DummyWeights, Vb, WeightSource};
 pub use mixtral::MixtralForCausalLM;
-pub use model::{
-    CausalLm, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk, SeqId, SlotMapping,
-};
+pub use input::{AttentionLayout, ForwardInput, SeqStep, StepLogits};
+pub use kv_pool::KvPool;
+pub use model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
 pub use tokenizer::Tokenizer;
 
 /// Where weights come from.
@@ -67,17 +66,6 @@ pub enum LoadFormat {
     Dummy { seed: u64 },
 }
 
-/// Where a model's forward pass runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// The host path: every layer on the CPU in f32 from the stored weights (the golden
-    /// reference), a host KV cache.
-    Host,
-    /// The device path ([`device`]): every layer on this device, activations in the model's
-    /// dtype, a slab KV cache there. On the CPU it runs the kernels' CPU twins (tests).
-    Device(Device),
-}
-
 /// How to load a model.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
@@ -88,22 +76,12 @@ pub struct LoadOptions {
     /// Load only the first N decoder layers (overrides `num_hidden_layers`; e.g. full-width
     /// dummy models for benchmarks).
     pub num_layers: Option<usize>,
-    /// The device the whole model runs on (the MoE experts included): the CPU runs the host
-    /// path, CUDA the device path.
+    /// The device the whole model runs on (the MoE experts included).
     pub device: Device,
-    /// Run the device path on the CPU too (its kernels' CPU twins, in the model's dtype): tests
-    /// of that path without a GPU.
-    pub device_path_on_cpu: bool,
-}
-
-impl LoadOptions {
-    pub fn placement(&self) -> Placement {
-        if self.device.is_cpu() && !self.device_path_on_cpu {
-            Placement::Host
-        } else {
-            Placement::Device(self.device)
-        }
-    }
+    /// Activations' (and the KV pool's) dtype: default f32 on the CPU (the golden reference),
+    /// the checkpoint's bf16/f16 on a GPU. bf16 on the CPU runs the GPU's numerics on the
+    /// kernels' CPU twins (tests).
+    pub dtype: Option<DType>,
 }
 
 /// A model with its config and, when the directory has one, its tokenizer.
@@ -128,31 +106,27 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         }
     }
     let tokenizer = Tokenizer::from_dir(dir)?;
-    let placement = opts.placement();
-    match placement {
-        Placement::Host => tracing::info!("model runs on the CPU: f32 host layers"),
-        Placement::Device(d) => {
-            tracing::info!(device = %d, "model runs on {d}: device path, activations in the model's dtype")
-        }
-    }
+    let device = opts.device;
     let model: Box<dyn CausalLm> = match &config {
         ModelConfig::Mixtral(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), device)?;
             let bar = loader::progress_bar(MixtralForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
-            let model = MixtralForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
+            let model = MixtralForCausalLM::load_on(cfg, &vb, &opts.moe, device, opts.dtype)?;
             bar.finish_and_clear();
             Box::new(model)
         }
         ModelConfig::DeepseekV3(cfg) => {
-            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), placement)?;
+            let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), device)?;
             let bar = loader::progress_bar(DeepseekV3ForCausalLM::num_tensors(cfg), opts.progress);
             let vb = Vb::new(&source, &bar);
-            let model = DeepseekV3ForCausalLM::load_on(cfg, &vb, &opts.moe, placement)?;
+            let model = DeepseekV3ForCausalLM::load_on(cfg, &vb, &opts.moe, device, opts.dtype)?;
             bar.finish_and_clear();
             Box::new(model)
         }
     };
+    let info = model.info();
+    tracing::info!(device = %info.device, dtype = %info.dtype, "model runs on {} in {}", info.device, info.dtype);
     Ok(LoadedModel {
         config,
         model,
@@ -166,17 +140,14 @@ fn weight_source(
     dir: &Path,
     format: LoadFormat,
     dtype: Option<DType>,
-    placement: Placement,
+    device: Device,
 ) -> Result<WeightSource> {
     Ok(match format {
         LoadFormat::Auto => WeightSource::Checkpoint(Checkpoint::open(dir)?),
         LoadFormat::Dummy { seed } => WeightSource::Dummy(DummyWeights {
             seed,
             dtype: dtype.unwrap_or(DType::BF16),
-            device: match placement {
-                Placement::Host => Device::Cpu,
-                Placement::Device(d) => d,
-            },
+            device,
         }),
     })
 }

@@ -24,62 +24,20 @@
 //! `weight_scale_inv` (128×128 blocks) beside each quantized weight; the router gate, norms,
 //! embeddings and lm_head stay bf16.
 
-use fmoe_core::{Device, Tensor};
+use fmoe_core::{DType, Device};
 use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::device::{self, DeviceCtx};
 use crate::layers::moe::{MoeOptions, load_expert_act_scales, load_experts, resolve_scheme};
-use crate::layers::{
-    Attention, AttentionSpec, ExpertNames, Linear, LmEnds, MoeBlock, RmsNorm, RopeStyle, Rotary,
-    add_in_place,
-};
+use crate::input::{AttentionLayout, ForwardInput};
+use crate::kv_pool::KvPool;
+use crate::layers::{AttentionSpec, ExpertNames, RopeStyle, Rotary};
 use crate::loader::Vb;
-use crate::model::{
-    CausalLm, ForwardBatch, KvCache, KvLayout, KvStorage, LogitsFor, ModelInfo, SeqChunk,
-};
-use crate::{Error, Placement, Result};
+use crate::model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
+use crate::{Error, Result};
 
 pub use crate::config::MixtralConfig as Config;
-
-struct DecoderLayer {
-    input_layernorm: RmsNorm,
-    self_attn: Attention,
-    post_attention_layernorm: RmsNorm,
-    block_sparse_moe: MoeBlock,
-}
-
-impl DecoderLayer {
-    fn load(
-        cfg: &Config,
-        vb: &Vb,
-        quant: &QuantizationConfig,
-        moe: &MoeOptions,
-    ) -> Result<DecoderLayer> {
-        let h = cfg.hidden_size;
-        let spec = attention_spec(cfg);
-        let self_attn = Attention::load(&vb.pp("self_attn"), spec, quant)?;
-        let moe_vb = vb.pp("block_sparse_moe");
-        // The router stays unquantized in fp8 checkpoints.
-        let gate = Linear::load(
-            &moe_vb.pp("gate"),
-            cfg.num_local_experts,
-            h,
-            &QuantizationConfig::None,
-        )?;
-        let fused = load_moe(cfg, &moe_vb, quant, moe, Device::Cpu)?;
-        Ok(DecoderLayer {
-            input_layernorm: RmsNorm::load(&vb.pp("input_layernorm"), h, cfg.rms_norm_eps)?,
-            self_attn,
-            post_attention_layernorm: RmsNorm::load(
-                &vb.pp("post_attention_layernorm"),
-                h,
-                cfg.rms_norm_eps,
-            )?,
-            block_sparse_moe: MoeBlock::new(gate, fused),
-        })
-    }
-}
 
 /// The experts of one layer under `vb` (`…block_sparse_moe`), on `device`.
 fn load_moe(
@@ -126,18 +84,8 @@ fn attention_spec(cfg: &Config) -> AttentionSpec {
 
 /// Mixtral with a language-model head.
 pub struct MixtralForCausalLM {
-    path: ModelPath,
+    model: device::mixtral::Model,
     info: ModelInfo,
-}
-
-enum ModelPath {
-    /// f32 layers on the host.
-    Host {
-        ends: LmEnds,
-        layers: Vec<DecoderLayer>,
-        rotary: Rotary,
-    },
-    Device(device::mixtral::Model),
 }
 
 impl MixtralForCausalLM {
@@ -150,83 +98,64 @@ impl MixtralForCausalLM {
         (2 + head + cfg.num_hidden_layers * per_layer) as u64
     }
 
-    /// Builds the host model (f32 layers on the CPU, [`Placement::Host`]) from `vb` (the
-    /// checkpoint root); `moe` picks the MoE method and kernels.
+    /// Builds the model from `vb` (the checkpoint root) on the CPU in f32 (the golden reference);
+    /// `moe` picks the MoE method and kernels.
     pub fn load(cfg: &Config, vb: &Vb, moe: &MoeOptions) -> Result<MixtralForCausalLM> {
-        MixtralForCausalLM::load_on(cfg, vb, moe, Placement::Host)
+        MixtralForCausalLM::load_on(cfg, vb, moe, Device::Cpu, None)
     }
 
-    /// Builds the model from `vb` (the checkpoint root) to run as `placement` says; `moe` picks
-    /// the MoE method and kernels (the experts live where the model runs).
+    /// Builds the model from `vb` (the checkpoint root) to run on `device` with activations in
+    /// `dtype` (default: f32 on the CPU, the checkpoint's 16-bit dtype on a GPU); `moe` picks the
+    /// MoE method and kernels (the experts live where the model runs).
     pub fn load_on(
         cfg: &Config,
         vb: &Vb,
         moe: &MoeOptions,
-        placement: Placement,
+        device: Device,
+        dtype: Option<DType>,
     ) -> Result<MixtralForCausalLM> {
         let bad = |m: String| Error::Options(format!("MixtralForCausalLM: {m}"));
         let quant = cfg.quantization().map_err(bad)?;
         let rope = cfg.rope().map_err(bad)?;
-        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let spec = attention_spec(cfg);
         let rotary = Rotary::new(&rope, cfg.head_dim(), RopeStyle::HalfSplit);
-        let (path, kv_storage) = match placement {
-            Placement::Host => {
-                let m = vb.pp("model");
-                let ends = LmEnds::load(vb, v, h, cfg.rms_norm_eps, cfg.tie_word_embeddings)?;
-                let layers = (0..cfg.num_hidden_layers)
-                    .map(|i| DecoderLayer::load(cfg, &m.pp("layers").pp(i), &quant, moe))
-                    .collect::<Result<Vec<_>>>()?;
-                (
-                    ModelPath::Host {
-                        ends,
-                        layers,
-                        rotary,
-                    },
-                    KvStorage::HostF32,
-                )
-            }
-            Placement::Device(device) => {
-                let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten());
-                let model =
-                    device::mixtral::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
-                        load_moe(cfg, vb, &quant, moe, device)
-                    })?;
-                (ModelPath::Device(model), ctx.kv_storage())
-            }
+        let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten(), dtype);
+        let kv_layout = KvLayout {
+            num_layers: cfg.num_hidden_layers,
+            streams: vec![spec.num_kv_heads * spec.head_dim; 2],
         };
-        let mut model = MixtralForCausalLM {
-            path,
+        let model = device::mixtral::Model::load(
+            cfg,
+            vb,
+            &quant,
+            rotary,
+            spec,
+            kv_layout.clone(),
+            ctx,
+            |vb| load_moe(cfg, vb, &quant, moe, device),
+        )?;
+        let moe = model.moe_layers().next().map(|e| (e.scheme(), e.kernel().family));
+        Ok(MixtralForCausalLM {
             info: ModelInfo {
                 architecture: "MixtralForCausalLM",
-                vocab_size: v,
+                vocab_size: cfg.vocab_size,
                 max_position_embeddings: cfg.max_position_embeddings,
                 eos_token_ids: cfg.eos_token_ids(),
                 bos_token_id: cfg.bos_token_id,
-                kv_layout: KvLayout {
-                    num_layers: cfg.num_hidden_layers,
-                    streams: Attention::cache_streams(&spec),
-                },
-                kv_storage,
-                moe: None,
+                kv_layout,
+                device,
+                dtype: ctx.dtype,
+                attention_layout: AttentionLayout::Gathered,
+                attention: device::mixtral::Model::attention_params(&spec),
+                moe,
             },
-        };
-        let moe = model
-            .moe_layers()
-            .next()
-            .map(|e| (e.scheme(), e.kernel().family));
-        model.info.moe = moe;
-        Ok(model)
+            model,
+        })
     }
 
     /// The MoE layers (kernel choice, method) for inspection.
-    pub fn moe_layers(&self) -> Box<dyn Iterator<Item = &FusedMoe> + '_> {
-        match &self.path {
-            ModelPath::Host { layers, .. } => {
-                Box::new(layers.iter().map(|l| l.block_sparse_moe.experts()))
-            }
-            ModelPath::Device(m) => Box::new(m.moe_layers()),
-        }
+    pub fn moe_layers(&self) -> impl Iterator<Item = &FusedMoe> {
+        self.model.moe_layers()
     }
 }
 
@@ -235,34 +164,7 @@ impl CausalLm for MixtralForCausalLM {
         &self.info
     }
 
-    fn forward(
-        &self,
-        chunks: &[SeqChunk],
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
-    ) -> Result<Tensor> {
-        let batch = ForwardBatch::new(chunks, cache, self.info.max_position_embeddings)?;
-        let (ends, layers, rotary) = match &self.path {
-            ModelPath::Host {
-                ends,
-                layers,
-                rotary,
-            } => (ends, layers, rotary),
-            ModelPath::Device(m) => return m.forward(&batch, cache, which),
-        };
-        let t = batch.num_tokens();
-        let rope = rotary.table(&batch.positions);
-        let mut h = ends.embed(&batch.tokens)?;
-        for (i, layer) in layers.iter().enumerate() {
-            let a = layer.input_layernorm.forward(&h)?;
-            let a = layer
-                .self_attn
-                .forward(&a, &batch, rotary, &rope, i, cache)?;
-            add_in_place(&mut h, &a);
-            let m = layer.post_attention_layernorm.forward(&h)?;
-            let m = layer.block_sparse_moe.forward(&m, t)?;
-            add_in_place(&mut h, &m);
-        }
-        ends.logits(&h, &batch, which, self.info.vocab_size)
+    fn forward(&self, input: &ForwardInput, kv: &mut KvPool) -> Result<ForwardOutput> {
+        self.model.forward(input, kv)
     }
 }

@@ -1,13 +1,13 @@
-//! DeepSeek-V3 on the device path.
+//! DeepSeek-V3's forward.
 //!
 //! MLA: `q = q_b(rms(q_a(x)))` (or `q_proj(x)`), interleaved rotary on each head's rope dims
 //! (YaRN cos/sin from the host table); `kv_a(x) = [latent | k_pe]`, rotary on `k_pe`, the latent
 //! normalized; latent (stream 0) and `k_pe` (stream 1) appended to the slab cache (one launch
-//! through the pass's slot mapping). Attention decompresses the cached tokens of the batch's
-//! sequences: their latent rows are gathered from the slab (by an index uploaded once per pass), `k_nope = latent·W_ukᵀ`, `v = latent·W_uvᵀ` (kv_b's key and value rows, split at
+//! through the step's slot mapping). Attention decompresses the cached tokens of the batch's
+//! sequences: their latent rows are gathered from the pool (by the step's gather index), `k_nope = latent·W_ukᵀ`, `v = latent·W_uvᵀ` (kv_b's key and value rows, split at
 //! load), per head `k = [k_nope_h | k_pe]` (`concat_heads`), then `causal_attention` with
 //! q·k over nope + rope and v of `v_head_dim`. (The absorbed form, attention in latent space,
-//! needs a per-head batched GEMM the kernel library does not have yet; the host path has it.)
+//! needs a per-head batched GEMM the kernel library does not have yet.)
 //!
 //! FFN: the first `first_k_dense_replace` layers a SwiGLU MLP (gate and up rows in one GEMM,
 //! `silu_mul`, down); after them the router gate (f32 logits) → grouped sigmoid routing →
@@ -15,8 +15,8 @@
 //! pass's end).
 
 use fmoe_core::Tensor;
-use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention_planned, plan_attention};
-use fmoe_kernels::elementwise::{RowIndex, concat_heads, gather_rows_at, narrow_cols, silu_mul};
+use fmoe_kernels::attention::{AttentionParams, causal_attention_planned};
+use fmoe_kernels::elementwise::{concat_heads, gather_rows_at, narrow_cols, silu_mul};
 use fmoe_kernels::kv_cache::KvSource;
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
@@ -31,7 +31,10 @@ use crate::config::{DeepseekV3Config, QuantizationConfig};
 use crate::layers::mla::MLA_NORM_EPS;
 use crate::layers::{MlaSpec, Rotary};
 use crate::loader::Vb;
-use crate::model::{ForwardBatch, KvCache, LogitsFor};
+use crate::input::ForwardInput;
+use crate::kv_pool::KvPool;
+use crate::model::{ForwardOutput, KvLayout};
+use crate::Error;
 
 enum QProj {
     Lora { a: Tensor, norm: Norm, b: Tensor },
@@ -72,8 +75,9 @@ pub(crate) type MoeParts = (Tensor, FusedMoe, Tensor);
 pub struct Model {
     ends: Ends,
     layers: Vec<Layer>,
-    rotary: Rotary,
+    rope: RopeTensors,
     spec: MlaSpec,
+    layout: KvLayout,
     ctx: DeviceCtx,
 }
 
@@ -124,6 +128,7 @@ impl Model {
         quant: &QuantizationConfig,
         rotary: Rotary,
         spec: MlaSpec,
+        layout: KvLayout,
         ctx: DeviceCtx,
         moe: impl Fn(&Vb) -> Result<MoeParts>,
     ) -> Result<Model> {
@@ -167,8 +172,9 @@ impl Model {
         Ok(Model {
             ends,
             layers,
-            rotary,
+            rope: RopeTensors::new(&rotary, cfg.max_position_embeddings, ctx.device)?,
             spec,
+            layout,
             ctx,
         })
     }
@@ -184,57 +190,43 @@ impl Model {
         })
     }
 
-    /// The forward pass; each MoE layer's routing (on the host) is pushed onto `trace` as
+    /// The attention parameters of every layer (decompressed MLA: q·k over nope + rope).
+    pub(crate) fn attention_params(s: &MlaSpec) -> AttentionParams {
+        AttentionParams {
+            num_heads: s.num_heads,
+            num_kv_heads: s.num_heads,
+            qk_dim: s.qk_nope_head_dim + s.qk_rope_head_dim,
+            v_dim: s.v_head_dim,
+            scale: s.scale,
+            sliding_window: None,
+        }
+    }
+
+    /// The forward pass; each MoE layer's routing (downloaded) is pushed onto `trace` as
     /// (layer, top-k) when given.
     pub(crate) fn forward(
         &self,
-        batch: &ForwardBatch,
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
+        input: &ForwardInput,
+        kv: &mut KvPool,
         mut trace: Option<&mut Vec<(usize, TopK)>>,
-    ) -> Result<Tensor> {
-        self.ctx.check_cache(cache)?;
-        let t = batch.num_tokens();
+    ) -> Result<ForwardOutput> {
+        kv.check_for(&self.layout, self.ctx.dtype, self.ctx.device)?;
         let s = &self.spec;
-        let (nh, dn, dr, dv, r) = (
+        let (nh, dn, dr, r) = (
             s.num_heads,
             s.qk_nope_head_dim,
             s.qk_rope_head_dim,
-            s.v_head_dim,
             s.kv_lora_rank,
         );
         let qk = dn + dr;
         let dtype = self.ctx.dtype;
-        let device = self.ctx.device;
-        // Uploaded once, read by every layer: rotary tables, slot mapping, the cached rows'
-        // index, attention plan.
-        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, device)?;
-        let chunks: Vec<_> = batch.spans.iter().map(|sp| (sp.seq, sp.len)).collect();
-        let slots = cache.slot_mapping(&chunks)?;
-        // Every cached token of the batch's sequences (after this pass's appends), sequence by
-        // sequence: the slab rows attention decompresses, and where each sequence starts.
-        let mut rows = Vec::new();
-        let mut spans = Vec::with_capacity(batch.spans.len());
-        for sp in &batch.spans {
-            let base = cache.base_slot(sp.seq)?;
-            spans.push(SeqSpan {
-                q_start: sp.offset,
-                q_len: sp.len,
-                kv_start: rows.len(),
-                past: sp.start_pos,
-            });
-            rows.extend((base..base + sp.start_pos + sp.len).map(|r| r as u32));
-        }
-        let params = AttentionParams {
-            num_heads: nh,
-            num_kv_heads: nh,
-            qk_dim: qk,
-            v_dim: dv,
-            scale: s.scale,
-            sliding_window: None,
+        let Some(rows) = &input.gather else {
+            return Err(Error::input(
+                "DeepseekV3ForCausalLM::forward",
+                "MLA decompresses the cached latent: the step must gather its rows (AttentionLayout::Gathered)",
+            ));
         };
-        let plan = plan_attention(t, rows.len(), &spans, &params, device)?;
-        let rows = RowIndex::new(&rows, device)?;
+        let (cos, sin) = self.rope.rows(&input.positions)?;
         let rotate = |x: &Tensor, heads: usize, head_dim: usize, offset: usize| -> Result<Tensor> {
             Ok(apply_rotary(
                 x,
@@ -242,13 +234,13 @@ impl Model {
                 head_dim,
                 offset,
                 dr,
-                &rope.cos,
-                &rope.sin,
+                &cos,
+                &sin,
                 RotaryStyle::Interleaved,
             )?)
         };
         let mut checks = Checks::default();
-        let mut res = Residual::new(self.ends.embed(&batch.tokens)?);
+        let mut res = Residual::new(self.ends.embed(input)?);
         for (i, l) in self.layers.iter().enumerate() {
             let x = res.norm(&l.input_layernorm)?;
             let a = &l.self_attn;
@@ -262,19 +254,19 @@ impl Model {
             // [latent | k_pe] with k_pe rotated (the latent is copied through).
             let ckv = rotate(&linear(&x, &a.kv_a_proj_with_mqa, dtype)?, 1, r + dr, r)?;
             let latent = a.kv_a_layernorm.forward(&narrow_cols(&ckv, 0, r)?)?;
-            let kv = [
+            let sources = [
                 KvSource {
                     src: &latent,
                     col: 0,
                 },
                 KvSource { src: &ckv, col: r },
             ];
-            cache.append_mapped(i, &kv, &slots)?;
-            let lat = gather_rows_at(cache.slab(i, 0)?, &rows)?;
-            let k_pe = gather_rows_at(cache.slab(i, 1)?, &rows)?;
+            kv.append(i, &sources, &input.slots)?;
+            let lat = gather_rows_at(kv.tensor(i, 0)?, rows)?;
+            let k_pe = gather_rows_at(kv.tensor(i, 1)?, rows)?;
             let k = concat_heads(&linear(&lat, &a.w_uk, dtype)?, &k_pe, nh)?;
             let v = linear(&lat, &a.w_uv, dtype)?;
-            let o = causal_attention_planned(&q, &k, &v, &plan)?;
+            let o = causal_attention_planned(&q, &k, &v, &input.attention)?;
             res.push(linear(&o, &a.o_proj, dtype)?);
             let m = res.norm(&l.post_attention_layernorm)?;
             let y = match &l.mlp {
@@ -297,6 +289,6 @@ impl Model {
             };
             res.push(y);
         }
-        self.ends.logits(res, batch, which, checks)
+        self.ends.logits(res, input, checks)
     }
 }

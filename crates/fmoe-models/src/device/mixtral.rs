@@ -1,14 +1,13 @@
-//! Mixtral on the device path. Per layer: `add_rms_norm` (the previous branch's output joins the
-//! stream there) → one q/k/v GEMM over the weights concatenated at load → half-split rotary on
-//! q and k → K and V appended to the slab cache (the rotated k, and V straight from its columns
-//! of the q/k/v rows: one launch through the pass's slot mapping) → `causal_attention` over the
-//! slabs in place (on the pass's plan) → o_proj → `add_rms_norm` → router gate (f32 logits) →
-//! softmax top-k on the device (its NaN/Inf check deferred to the pass's end) →
-//! [`fmoe_moe::FusedMoe`].
+//! Mixtral's forward. Per layer: `add_rms_norm` (the previous branch's output joins the stream
+//! there) → one q/k/v GEMM over the weights concatenated at load → half-split rotary on q and k →
+//! K and V appended to the KV pool (the rotated k, and V straight from its columns of the q/k/v
+//! rows: one launch through the step's slot mapping) → `causal_attention` over the pool's rows
+//! (on the step's plan) → o_proj → `add_rms_norm` → router gate (f32 logits) → softmax top-k (its
+//! NaN/Inf check deferred to the pass's end) → [`fmoe_moe::FusedMoe`].
 
 use fmoe_core::Tensor;
-use fmoe_kernels::attention::{AttentionParams, SeqSpan, causal_attention_planned, plan_attention};
-use fmoe_kernels::elementwise::narrow_cols;
+use fmoe_kernels::attention::{AttentionParams, causal_attention_planned};
+use fmoe_kernels::elementwise::{gather_rows_at, narrow_cols};
 use fmoe_kernels::kv_cache::KvSource;
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::rotary::{RotaryStyle, apply_rotary};
@@ -21,7 +20,9 @@ use crate::Result;
 use crate::config::{MixtralConfig, QuantizationConfig};
 use crate::layers::{AttentionSpec, Rotary};
 use crate::loader::Vb;
-use crate::model::{ForwardBatch, KvCache, LogitsFor};
+use crate::input::ForwardInput;
+use crate::kv_pool::KvPool;
+use crate::model::{ForwardOutput, KvLayout};
 
 struct Layer {
     input_layernorm: Norm,
@@ -36,8 +37,9 @@ struct Layer {
 pub struct Model {
     ends: Ends,
     layers: Vec<Layer>,
-    rotary: Rotary,
+    rope: RopeTensors,
     spec: AttentionSpec,
+    layout: KvLayout,
     ctx: DeviceCtx,
 }
 
@@ -50,6 +52,7 @@ impl Model {
         quant: &QuantizationConfig,
         rotary: Rotary,
         spec: AttentionSpec,
+        layout: KvLayout,
         ctx: DeviceCtx,
         moe: impl Fn(&Vb) -> Result<FusedMoe>,
     ) -> Result<Model> {
@@ -97,8 +100,9 @@ impl Model {
         Ok(Model {
             ends,
             layers,
-            rotary,
+            rope: RopeTensors::new(&rotary, cfg.max_position_embeddings, ctx.device)?,
             spec,
+            layout,
             ctx,
         })
     }
@@ -111,80 +115,61 @@ impl Model {
         self.layers.iter().map(|l| l.moe.experts())
     }
 
-    pub(crate) fn forward(
-        &self,
-        batch: &ForwardBatch,
-        cache: &mut dyn KvCache,
-        which: LogitsFor,
-    ) -> Result<Tensor> {
-        self.ctx.check_cache(cache)?;
-        let t = batch.num_tokens();
-        let s = &self.spec;
-        let d = s.head_dim;
-        let (q_w, kv_w) = (s.num_heads * d, s.num_kv_heads * d);
-        let device = self.ctx.device;
-        // Uploaded once, read by every layer: rotary tables, slot mapping, attention plan.
-        let rope = RopeTensors::new(&self.rotary.table(&batch.positions), t, device)?;
-        let chunks: Vec<_> = batch.spans.iter().map(|sp| (sp.seq, sp.len)).collect();
-        let slots = cache.slot_mapping(&chunks)?;
-        let spans = batch
-            .spans
-            .iter()
-            .map(|sp| {
-                Ok(SeqSpan {
-                    q_start: sp.offset,
-                    q_len: sp.len,
-                    kv_start: cache.base_slot(sp.seq)?,
-                    past: sp.start_pos,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let params = AttentionParams {
-            num_heads: s.num_heads,
-            num_kv_heads: s.num_kv_heads,
+    /// The attention parameters of every layer.
+    pub(crate) fn attention_params(spec: &AttentionSpec) -> AttentionParams {
+        let d = spec.head_dim;
+        AttentionParams {
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
             qk_dim: d,
             v_dim: d,
             scale: 1.0 / (d as f32).sqrt(),
-            sliding_window: s.sliding_window,
-        };
-        let kv_rows = cache.slab(0, 0)?.dims()[0];
-        let plan = plan_attention(t, kv_rows, &spans, &params, device)?;
+            sliding_window: spec.sliding_window,
+        }
+    }
+
+    pub(crate) fn forward(&self, input: &ForwardInput, kv: &mut KvPool) -> Result<ForwardOutput> {
+        kv.check_for(&self.layout, self.ctx.dtype, self.ctx.device)?;
+        let s = &self.spec;
+        let d = s.head_dim;
+        let (q_w, kv_w) = (s.num_heads * d, s.num_kv_heads * d);
         let dtype = self.ctx.dtype;
+        let (cos, sin) = self.rope.rows(&input.positions)?;
         let rotate = |x: &Tensor, heads: usize| -> Result<Tensor> {
-            Ok(apply_rotary(
-                x,
-                heads,
-                d,
-                0,
-                d,
-                &rope.cos,
-                &rope.sin,
-                RotaryStyle::HalfSplit,
-            )?)
+            Ok(apply_rotary(x, heads, d, 0, d, &cos, &sin, RotaryStyle::HalfSplit)?)
         };
         let mut checks = Checks::default();
-        let mut res = Residual::new(self.ends.embed(&batch.tokens)?);
+        let mut res = Residual::new(self.ends.embed(input)?);
         for (i, l) in self.layers.iter().enumerate() {
             let a = res.norm(&l.input_layernorm)?;
             let qkv = linear(&a, &l.qkv_proj, dtype)?;
             let q = rotate(&narrow_cols(&qkv, 0, q_w)?, s.num_heads)?;
             let k = rotate(&narrow_cols(&qkv, q_w, kv_w)?, s.num_kv_heads)?;
             // V straight from its columns of the q/k/v rows.
-            let kv = [
+            let sources = [
                 KvSource { src: &k, col: 0 },
                 KvSource {
                     src: &qkv,
                     col: q_w + kv_w,
                 },
             ];
-            cache.append_mapped(i, &kv, &slots)?;
-            let o = causal_attention_planned(&q, cache.slab(i, 0)?, cache.slab(i, 1)?, &plan)?;
+            kv.append(i, &sources, &input.slots)?;
+            let (k_all, v_all) = (kv.tensor(i, 0)?, kv.tensor(i, 1)?);
+            let o = match &input.gather {
+                Some(rows) => causal_attention_planned(
+                    &q,
+                    &gather_rows_at(k_all, rows)?,
+                    &gather_rows_at(v_all, rows)?,
+                    &input.attention,
+                )?,
+                None => causal_attention_planned(&q, k_all, v_all, &input.attention)?,
+            };
             res.push(linear(&o, &l.o_proj, dtype)?);
             let m = res.norm(&l.post_attention_layernorm)?;
             let (y, check) = l.moe.forward(&m, None)?;
             checks.add(check)?;
             res.push(y);
         }
-        self.ends.logits(res, batch, which, checks)
+        self.ends.logits(res, input, checks)
     }
 }

@@ -1,33 +1,31 @@
-//! The device path: every layer of a forward pass on the model's device, through fmoe-kernels'
-//! tensor functions (CUDA kernels and cuBLAS on a GPU; their CPU twins on the CPU, which is how
-//! the path is tested without one). Activations are in the model's dtype (bf16 unless the
-//! checkpoint is f16), the KV cache is a slab cache on the same device
-//! ([`crate::KvStorage::Slab`]), and only the logits rows asked for come back
-//! to the host, as f32.
+//! The one forward of each model: every layer on the model's device through fmoe-kernels'
+//! tensor functions (CUDA kernels and cuBLAS on a GPU; their CPU twins on the CPU). Activations
+//! are in the model's dtype: f32 on the CPU (the golden reference against transformers), the
+//! checkpoint's bf16/f16 on a GPU. The KV cache is the engine's paged pool on the same device
+//! ([`crate::KvPool`]); the logits stay on the device.
 //!
 //! What the two models share lives here: dense weights (`load_dense`: fp8 checkpoints'
 //! linears are dequantized to the activation dtype at load; only the MoE experts stay fp8), norms,
 //! the residual stream with its fused add + RMSNorm (`Residual`), the ends (embedding lookup,
-//! final norm, lm_head over the requested rows: `Ends`), the per-pass rotary tables
-//! (`RopeTensors`) and the MoE block (`DeviceMoe`: router gate → routing → [`FusedMoe`]).
-//! The model files hold the rest: [`mixtral`] and [`deepseek_v3`].
+//! final norm, lm_head over the requested rows: `Ends`), the rotary tables of every position
+//! (`RopeTensors`, made at load; a pass gathers its positions' rows) and the MoE block
+//! (`DeviceMoe`: router gate → routing → [`FusedMoe`]). The model files hold the rest:
+//! [`mixtral`] and [`deepseek_v3`].
 //!
-//! Host work per pass, not per layer: what every layer reads the same way is uploaded once per
-//! forward pass — the rotary tables, the KV cache's slot mapping
-//! ([`crate::model::KvCache::slot_mapping`]), the attention plan
-//! ([`fmoe_kernels::attention::plan_attention`]) and DeepSeek-V3's cached-row index — and nothing
-//! waits for the device before the logits: the routing kernels' NaN/Inf flags (and the fp8 MoE
-//! quantizations') are collected over the layers as one [`FiniteCheck`] (`Checks`) and read
-//! once, just before the logits come down, giving the error the first flagged layer would have
-//! given at once (a NonFinite error naming `router_logits`). A NaN therefore no longer stops the
-//! pass at its layer: the rest of the pass runs on meaningless values (valid expert ids) and the
-//! error comes at its end.
+//! A pass uploads nothing: the engine's [`crate::ForwardInput`] holds the token ids, positions,
+//! slot mapping, attention plan and logits rows, uploaded once per step. Nothing waits for the
+//! device either: the routing kernels' NaN/Inf flags (and the fp8 MoE quantizations') are
+//! collected over the layers as one [`FiniteCheck`] (`Checks`) and returned with the logits
+//! ([`crate::ForwardOutput`]); the engine reads them where it downloads the logits, which gives
+//! the error the first flagged layer would have given at once (a NonFinite error naming
+//! `router_logits`). A NaN therefore does not stop the pass at its layer: the rest of the pass
+//! runs on meaningless values (valid expert ids) and the error comes at its end.
 
 pub mod deepseek_v3;
 pub mod mixtral;
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_kernels::elementwise;
+use fmoe_kernels::elementwise::{self, RowIndex};
 use fmoe_kernels::linear::linear;
 use fmoe_kernels::norm::{add_rms_norm, rms_norm};
 use fmoe_kernels::quant_fp8::FiniteCheck;
@@ -35,10 +33,11 @@ use fmoe_kernels::routing::TopK;
 use fmoe_moe::FusedMoe;
 
 use crate::config::QuantizationConfig;
-use crate::layers::{Linear, RopeTable};
+use crate::layers::Linear;
 use crate::loader::Vb;
-use crate::model::{ForwardBatch, KvCache, KvStorage, LogitsFor};
-use crate::{Error, Result};
+use crate::input::ForwardInput;
+use crate::model::ForwardOutput;
+use crate::Result;
 
 /// Where the device path runs and in which dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,43 +48,21 @@ pub struct DeviceCtx {
 }
 
 impl DeviceCtx {
-    /// On `device`, in the checkpoint's dtype when the kernels take it (bf16, f16), else bf16.
-    pub fn new(device: Device, checkpoint_dtype: Option<DType>) -> DeviceCtx {
-        let dtype = match checkpoint_dtype {
-            Some(DType::F16) => DType::F16,
+    /// On `device` in `dtype` when given; else f32 on the CPU, and on a GPU the checkpoint's
+    /// dtype when the kernels take it (bf16, f16), else bf16.
+    pub fn new(device: Device, checkpoint_dtype: Option<DType>, dtype: Option<DType>) -> DeviceCtx {
+        let dtype = dtype.unwrap_or(match (device, checkpoint_dtype) {
+            (Device::Cpu, _) => DType::F32,
+            (_, Some(DType::F16)) => DType::F16,
             _ => DType::BF16,
-        };
+        });
         DeviceCtx { device, dtype }
-    }
-
-    pub fn kv_storage(&self) -> KvStorage {
-        KvStorage::Slab {
-            device: self.device,
-            dtype: self.dtype,
-        }
     }
 
     /// `t` in this dtype on this device (no copy when it already is).
     fn place(&self, t: Tensor) -> Result<Tensor> {
         let t = t.to_device(self.device)?;
         Ok(elementwise::to_dtype(&t, self.dtype)?)
-    }
-
-    /// Checks that `cache` is the slab cache this path writes to.
-    pub(crate) fn check_cache(&self, cache: &dyn KvCache) -> Result<()> {
-        let want = self.kv_storage();
-        if cache.storage() != want {
-            return Err(Error::input(
-                "CausalLm::forward",
-                format!(
-                    "the model runs on {} in {} and needs a slab KV cache there ({want:?}); the cache is {:?}",
-                    self.device,
-                    self.dtype,
-                    cache.storage()
-                ),
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -171,19 +148,30 @@ impl Residual {
     }
 }
 
-/// cos/sin `[tokens, rotary_dim / 2]` f32 of a pass, uploaded once and used by every layer.
+/// cos/sin `[max positions, rotary_dim / 2]` f32 on the device, made at load; a pass gathers the
+/// rows of its positions ([`RopeTensors::rows`]).
 pub(crate) struct RopeTensors {
-    pub cos: Tensor,
-    pub sin: Tensor,
+    cos: Tensor,
+    sin: Tensor,
 }
 
 impl RopeTensors {
-    pub(crate) fn new(table: &RopeTable, tokens: usize, device: Device) -> Result<RopeTensors> {
-        let dims = [tokens, table.half()];
+    pub(crate) fn new(rotary: &crate::layers::Rotary, max_positions: usize, device: Device) -> Result<RopeTensors> {
+        let positions: Vec<usize> = (0..max_positions).collect();
+        let table = rotary.table(&positions);
+        let dims = [max_positions, table.half()];
         Ok(RopeTensors {
             cos: Tensor::from_vec(table.cos().to_vec(), dims, &device)?,
             sin: Tensor::from_vec(table.sin().to_vec(), dims, &device)?,
         })
+    }
+
+    /// (cos, sin) `[tokens, rotary_dim / 2]` of a pass's positions.
+    pub(crate) fn rows(&self, positions: &RowIndex) -> Result<(Tensor, Tensor)> {
+        Ok((
+            elementwise::gather_rows_at(&self.cos, positions)?,
+            elementwise::gather_rows_at(&self.sin, positions)?,
+        ))
     }
 }
 
@@ -232,39 +220,36 @@ impl Ends {
         })
     }
 
-    /// Hidden states `[tokens, hidden]` of the batch's ids (an id ≥ vocab is an error naming it).
-    pub(crate) fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
-        Ok(elementwise::gather_rows(&self.embed, tokens)?)
+    /// Hidden states `[tokens, hidden]` of the step's ids.
+    pub(crate) fn embed(&self, input: &ForwardInput) -> Result<Tensor> {
+        Ok(elementwise::gather_rows_at(&self.embed, &input.token_ids)?)
     }
 
-    /// f32 logits `[rows, vocab]` on the host for the rows `which` asks for: those rows of the
-    /// stream are picked first, so the final norm and lm_head see only them. The pass's deferred
-    /// `checks` are read first (the one synchronization of the pass, with the logits' download).
-    pub(crate) fn logits(
-        &self,
-        res: Residual,
-        batch: &ForwardBatch,
-        which: LogitsFor,
-        checks: Checks,
-    ) -> Result<Tensor> {
-        let rows = batch.logit_rows(which);
-        let pick = |t: &Tensor| -> Result<Tensor> {
-            if rows.len() == batch.num_tokens() {
-                return Ok(t.clone());
-            }
-            let ids: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-            Ok(elementwise::gather_rows(t, &ids)?)
+    /// f32 logits `[rows, vocab]` on the device for the rows the input asks for: those rows of the
+    /// stream are picked first, so the final norm and lm_head see only them.
+    pub(crate) fn logits(&self, res: Residual, input: &ForwardInput, checks: Checks) -> Result<ForwardOutput> {
+        let rows = input.num_logits();
+        let logits = if rows == 0 {
+            Tensor::zeros([0, self.vocab], DType::F32, &self.embed.device())?
+        } else {
+            let pick = |t: &Tensor| -> Result<Tensor> {
+                Ok(match &input.logit_rows {
+                    None => t.clone(),
+                    Some(ids) => elementwise::gather_rows_at(t, ids)?,
+                })
+            };
+            let mut last = Residual {
+                h: pick(&res.h)?,
+                pending: res.pending.as_ref().map(pick).transpose()?,
+            };
+            let n = last.norm(&self.norm)?;
+            linear(&n, &self.lm_head, DType::F32)?
         };
-        let mut last = Residual {
-            h: pick(&res.h)?,
-            pending: res.pending.as_ref().map(pick).transpose()?,
-        };
-        let n = last.norm(&self.norm)?;
-        let logits = linear(&n, &self.lm_head, DType::F32)?;
-        checks.resolve()?;
-        let logits = logits.to_device(Device::Cpu)?;
-        logits.expect_dims("CausalLm::forward", "logits", &[rows.len(), self.vocab])?;
-        Ok(logits)
+        logits.expect_dims("CausalLm::forward", "logits", &[rows, self.vocab])?;
+        Ok(ForwardOutput {
+            logits,
+            checks: checks.0,
+        })
     }
 }
 
@@ -288,7 +273,7 @@ impl Checks {
 
     /// Reads every flag (one synchronization on CUDA): the first set is the error routing or
     /// the MoE layer would have returned at once, as the MoE layer's error.
-    pub(crate) fn resolve(self) -> Result<()> {
+    fn resolve(self) -> Result<()> {
         self.0
             .check()
             .map_err(|e| crate::Error::Moe(fmoe_moe::Error::Kernel(e)))

@@ -1,14 +1,12 @@
 //! MoE layers from checkpoints: per-expert tensors stacked into fmoe-moe's layout
 //! (w13 [E, 2I, H] = gate rows then up rows, w2 [E, H, I]), the choice of MoE method, and
-//! [`MoeBlock`]: router gate (f32 logits) → [`FusedMoe`].
+//! static activation scales.
 
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_kernels::routing::TopK;
-use fmoe_moe::{ActScales, CheckpointExperts, FusedMoe, QuantScheme};
+use fmoe_moe::{ActScales, CheckpointExperts, QuantScheme};
 
 use crate::config::{ActivationScheme, QuantizationConfig};
-use crate::layers::linear::Linear;
 use crate::loader::Vb;
 use crate::{Error, Result};
 
@@ -37,7 +35,7 @@ impl ExpertNames {
 
 /// How MoE layers are built: the method (None → the checkpoint's own format, unquantized for
 /// bf16 checkpoints) and the `FMOE_*` switches that pick the kernel. The experts run where the
-/// model does ([`crate::Placement`]).
+/// model does ([`crate::LoadOptions::device`]).
 #[derive(Clone, Debug, Default)]
 pub struct MoeOptions {
     pub scheme: Option<QuantScheme>,
@@ -262,92 +260,5 @@ impl Scales {
     }
     fn push_tensor(&mut self, t: Tensor) {
         self.tensors.push(t);
-    }
-}
-
-/// Router gate + fused experts.
-pub struct MoeBlock {
-    gate: Linear,
-    experts: FusedMoe,
-    /// DeepSeek-V3's `e_score_correction_bias` on the CPU: grouped routing runs on the CPU
-    /// (fmoe-kernels has no CUDA `grouped_topk` yet) and only its top-k goes to the device.
-    cpu_bias: Option<Tensor>,
-}
-
-impl MoeBlock {
-    pub fn new(gate: Linear, experts: FusedMoe) -> MoeBlock {
-        MoeBlock {
-            gate,
-            experts,
-            cpu_bias: None,
-        }
-    }
-
-    /// A block with grouped sigmoid routing (DeepSeek-V3): `bias` is the layer's
-    /// `e_score_correction_bias` \[E\] f32 (the same tensor given to [`FusedMoe::new`]).
-    pub fn with_selection_bias(gate: Linear, experts: FusedMoe, bias: Tensor) -> MoeBlock {
-        MoeBlock {
-            gate,
-            experts,
-            cpu_bias: Some(bias),
-        }
-    }
-
-    pub fn experts(&self) -> &FusedMoe {
-        &self.experts
-    }
-
-    /// `x` [rows, hidden] (f32, CPU) → [rows, hidden]. Router logits are computed in f32 from
-    /// the gate's stored weights. On a CUDA expert device the activations go up as bf16 and the
-    /// result comes back.
-    pub fn forward(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
-        self.forward_traced(x, rows, None)
-    }
-
-    /// [`Self::forward`], pushing the routing (top-k ids and weights, on the CPU) onto `trace`
-    /// when given.
-    pub fn forward_traced(
-        &self,
-        x: &[f32],
-        rows: usize,
-        trace: Option<&mut Vec<TopK>>,
-    ) -> Result<Vec<f32>> {
-        let hidden = self.gate.in_features();
-        let logits = self.gate.forward(x, rows)?;
-        let device = self.experts.device();
-        let xt = Tensor::from_vec(x.to_vec(), [rows, hidden], &Device::Cpu)?;
-        let lt = Tensor::from_vec(logits, [rows, self.gate.out_features()], &Device::Cpu)?;
-        let upload = |t: Tensor| -> Result<Tensor> {
-            Ok(if device.is_cpu() {
-                t
-            } else {
-                t.to_dtype(DType::BF16)?.to_device(device)?
-            })
-        };
-        if self.cpu_bias.is_none() && trace.is_none() {
-            let lt = if device.is_cpu() {
-                lt
-            } else {
-                lt.to_device(device)?
-            };
-            let y = self.experts.forward(&upload(xt)?, &lt)?;
-            return Ok(y.to_f32_vec()?);
-        }
-        // Route here, on the CPU, then run the experts on their device.
-        lt.expect_dims(
-            "MoeBlock::forward",
-            "router_logits",
-            &[rows, self.experts.config().num_experts],
-        )?;
-        let topk = fmoe_moe::router::route(self.experts.config(), &lt, self.cpu_bias.as_ref())?;
-        if let Some(trace) = trace {
-            trace.push(topk.clone());
-        }
-        let topk = TopK {
-            ids: topk.ids.to_device(device)?,
-            weights: topk.weights.to_device(device)?,
-        };
-        let y = self.experts.forward_routed(&upload(xt)?, &topk)?;
-        Ok(y.to_f32_vec()?)
     }
 }
