@@ -1,32 +1,51 @@
-//! fmoe-engine: turns a [`fmoe_models::CausalLm`] into generated text.
+//! fmoe-engine: serves a [`fmoe_models::CausalLm`]: a paged KV pool shared by every request,
+//! continuous batching with chunked prefill, prefix caching and preemption, and the request API a
+//! server drives.
 //!
-//! - [`ContiguousKvCache`] implements the model's [`fmoe_models::KvCache`] on the host: per
-//!   sequence, per layer, contiguous growth (the CPU path). [`SlabKvCache`] is the device cache:
-//!   per layer and stream one preallocated slab in the model's dtype, a contiguous slot range per
-//!   sequence. [`ModelKvCache`] is whichever the model's `kv_storage` asks for.
-//! - [`Sampler`] picks tokens: greedy, or temperature + top-p from a seeded RNG
-//!   ([`SamplingParams`]).
-//! - [`generate`] runs prefill (all prompts in one pass) then decode (one token per live
-//!   sequence per pass) until max tokens, an EOS id or a stop string ([`GenerateParams`]), and
-//!   returns per-prompt [`Output`]s with [`Stats`].
+//! - [`Engine`]: [`Engine::add_request`] / [`Engine::step`] / [`Engine::abort`] over a
+//!   [`ModelRunner`] (the model and its [`fmoe_models::KvPool`]) and the scheduler
+//!   ([`scheduler`]: token budget, FCFS admission, preemption by recompute) with its
+//!   [`BlockManager`] (blocks, prefix cache); sizes from [`EngineArgs::resolve`].
+//! - [`EngineHandle`]: the engine on its own thread, requests and streamed outputs over channels.
+//! - [`Sampler`]: greedy, or temperature, top-k and top-p from a per-request seeded RNG
+//!   ([`SamplingParams`]); [`logprobs`].
+//! - [`IncrementalDecoder`] and [`StopMatcher`]: text deltas and stop strings, a token at a time.
+//! - [`generate`]: every prompt a request, stepped to the end ([`GenerateParams`]).
+//! - [`DirectSession`]: a runner driven chunk by chunk, without a scheduler (tests, benchmarks).
 //!
 //! ```no_run
-//! use fmoe_engine::{GenerateParams, generate};
+//! use std::sync::Arc;
+//! use fmoe_engine::{Engine, EngineArgs, GenerateParams, generate};
 //! use fmoe_models::{LoadOptions, load};
 //! let m = load(std::path::Path::new("tests/fixtures/tiny-mixtral"), &LoadOptions::default())?;
-//! let g = generate(m.model.as_ref(), m.tokenizer.as_ref(), &[vec![1, 2, 3]], &GenerateParams::default())?;
+//! let model: Arc<dyn fmoe_models::CausalLm> = Arc::from(m.model);
+//! let config = EngineArgs::default().resolve(&model)?;
+//! let mut engine = Engine::new(model, m.tokenizer, config)?;
+//! let g = generate(&mut engine, &[vec![1, 2, 3]], &GenerateParams::default())?;
 //! println!("{:?} ({:.1} tokens/s)", g.outputs[0].token_ids, g.stats.tokens_per_s());
 //! # Ok::<(), fmoe_engine::Error>(())
 //! ```
 
+pub mod block_manager;
+mod config;
+pub mod detokenize;
+mod engine;
 mod error;
 mod generate;
-mod kv_cache;
-mod sampler;
-mod slab_cache;
+mod handle;
+mod request;
+mod runner;
+pub mod sampler;
+pub mod scheduler;
 
+pub use block_manager::{BlockManager, SeqBlocks};
+pub use config::{DEFAULT_KV_CACHE_MEMORY, EngineArgs};
+pub use detokenize::{IncrementalDecoder, StopMatcher};
+pub use engine::{Engine, EngineConfig, EngineStats};
 pub use error::{Error, Result};
-pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
-pub use kv_cache::{ContiguousKvCache, ModelKvCache};
-pub use sampler::{Sampler, SamplingParams, argmax};
-pub use slab_cache::SlabKvCache;
+pub use generate::{GenerateParams, Generation, Output, Stats, generate};
+pub use handle::{EngineHandle, RequestStream};
+pub use request::{FinishReason, Request, RequestId, RequestOutput, RequestParams, Timings};
+pub use runner::{DirectSession, LogitsFor, ModelRunner, SeqChunk, SeqId};
+pub use sampler::{Sampler, SamplingParams, TokenLogprobs, argmax, logprobs};
+pub use scheduler::SchedulerConfig;

@@ -26,12 +26,13 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{Expected, Target, moe_options};
-use fmoe_engine::ContiguousKvCache;
 use fmoe_models::deepseek_v3::RouterTrace;
 use fmoe_models::{
-    CausalLm, Checkpoint, DeepseekV3ForCausalLM, LogitsFor, ModelConfig, SeqChunk, Vb, WeightSource,
+    CausalLm, Checkpoint, DeepseekV3ForCausalLM, ForwardInput, KvPool, ModelConfig, SeqStep,
+    StepLogits, Vb, WeightSource,
 };
 use fmoe_moe::{KernelFamily, QuantScheme};
 use serde::Deserialize;
@@ -56,7 +57,7 @@ fn expected() -> Expected {
     common::read_expected(&fixture())
 }
 
-fn load_model(dir: &Path, scheme: QuantScheme, family: KernelFamily) -> Box<dyn CausalLm> {
+fn load_model(dir: &Path, scheme: QuantScheme, family: KernelFamily) -> Arc<dyn CausalLm> {
     let model = common::load_model(dir, scheme, family);
     assert_eq!(model.info().architecture, "DeepseekV3ForCausalLM");
     model
@@ -103,16 +104,17 @@ fn router_topk_matches_transformers() {
     let scaling = 2.5f32;
     let mut checked = 0;
     for (i, prompt) in exp.prompt_ids.iter().enumerate() {
-        let mut cache = ContiguousKvCache::new(model.info().kv_layout.clone());
-        let seq = cache.allocate();
-        let chunk = SeqChunk {
-            seq,
-            tokens: prompt.clone(),
-            start_pos: 0,
+        let info = model.info();
+        let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
+        let mut pool = KvPool::new(&info.kv_layout, info.dtype, info.device, blocks.len(), 16).unwrap();
+        let step = SeqStep {
+            tokens: prompt,
+            past: 0,
+            block_table: &blocks,
+            logits: StepLogits::Last,
         };
-        let (_, trace) = model
-            .forward_traced(&[chunk], &mut cache, LogitsFor::Last)
-            .unwrap();
+        let input = ForwardInput::new(info, 16, blocks.len(), &[step]).unwrap();
+        let (_, trace) = model.forward_traced(&input, &mut pool).unwrap();
         let layers: Vec<usize> = trace.iter().map(|t| t.layer).collect();
         let want_layers: Vec<usize> = routing.router_topk[i]
             .keys()
@@ -174,7 +176,7 @@ fn decode_with_the_cache_equals_one_full_pass() {
         chunks.extend(exp.greedy_ids[i].iter().map(|&t| vec![t]));
         let worst = common::decode_with_the_cache_equals_one_full_pass(
             Target::Host,
-            model.as_ref(),
+            &model,
             &chunks,
             &format!("prompt {i} "),
         );

@@ -33,12 +33,15 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::{Expected, Target, load_model_on};
-use fmoe_models::{CausalLm, LogitsFor, SeqChunk};
+use std::sync::Arc;
+
+use fmoe_engine::{DirectSession, LogitsFor, SeqChunk};
+use fmoe_models::CausalLm;
 use fmoe_moe::{KernelFamily, QuantScheme};
 
 const MODELS: [&str; 2] = ["tiny-mixtral", "tiny-deepseek-v3"];
 
-fn loader(target: Target) -> impl Fn(&Path, QuantScheme, KernelFamily) -> Box<dyn CausalLm> {
+fn loader(target: Target) -> impl Fn(&Path, QuantScheme, KernelFamily) -> Arc<dyn CausalLm> {
     move |dir, scheme, family| {
         let m = load_model_on(target, dir, scheme, family);
         assert_eq!(m.info().moe, Some((scheme, family)), "{scheme}/{family}");
@@ -75,13 +78,14 @@ fn matches_transformers(target: Target) {
 /// DeepSeek-V3's routing of `tokens` (one pass) by the model at `placement`.
 fn deepseek_trace(
     dir: &Path,
-    placement: fmoe_models::Placement,
+    target: Target,
     scheme: QuantScheme,
     family: KernelFamily,
     tokens: &[u32],
 ) -> Vec<fmoe_models::deepseek_v3::RouterTrace> {
     use fmoe_models::{
-        Checkpoint, DeepseekV3ForCausalLM, LogitsFor, ModelConfig, SeqChunk, Vb, WeightSource,
+        Checkpoint, DeepseekV3ForCausalLM, ForwardInput, KvPool, ModelConfig, SeqStep, StepLogits,
+        Vb, WeightSource,
     };
     let ModelConfig::DeepseekV3(cfg) = ModelConfig::from_file(&dir.join("config.json")).unwrap()
     else {
@@ -91,17 +95,19 @@ fn deepseek_trace(
     let bar = fmoe_models::loader::progress_bar(0, false);
     let vb = Vb::new(&source, &bar);
     let moe = common::moe_options(scheme, family);
-    let m = DeepseekV3ForCausalLM::load_on(&cfg, &vb, &moe, placement).unwrap();
-    let mut cache = fmoe_engine::ModelKvCache::for_model(m.info(), tokens.len()).unwrap();
-    let seq = cache.allocate(tokens.len()).unwrap();
-    let chunk = SeqChunk {
-        seq,
-        tokens: tokens.to_vec(),
-        start_pos: 0,
+    let opts = target.options(moe.clone());
+    let m = DeepseekV3ForCausalLM::load_on(&cfg, &vb, &moe, opts.device, opts.dtype).unwrap();
+    let info = m.info();
+    let blocks: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+    let mut pool = KvPool::new(&info.kv_layout, info.dtype, info.device, blocks.len(), 16).unwrap();
+    let step = SeqStep {
+        tokens,
+        past: 0,
+        block_table: &blocks,
+        logits: StepLogits::All,
     };
-    m.forward_traced(&[chunk], &mut cache, LogitsFor::All)
-        .unwrap()
-        .1
+    let input = ForwardInput::new(info, 16, blocks.len(), &[step]).unwrap();
+    m.forward_traced(&input, &mut pool).unwrap().1
 }
 
 /// Per position of `tokens`: whether the model on `target` routed it, or (in a layer whose output
@@ -115,13 +121,12 @@ fn routing_flips(
 ) -> Vec<bool> {
     let reference = deepseek_trace(
         dir,
-        fmoe_models::Placement::Host,
+        Target::Host,
         QuantScheme::Unquantized,
         KernelFamily::Portable,
         tokens,
     );
-    let options = target.options(common::moe_options(scheme, family));
-    let got = deepseek_trace(dir, options.placement(), scheme, family, tokens);
+    let got = deepseek_trace(dir, target, scheme, family, tokens);
     assert_eq!(got.len(), reference.len());
     let n = tokens.len();
     let mut flipped = vec![false; n];
@@ -154,13 +159,13 @@ fn decode_and_batches(target: Target) {
         chunks.extend(exp.greedy_ids[2].iter().map(|&t| vec![t]));
         let worst = common::decode_with_the_cache_equals_one_full_pass(
             target,
-            model.as_ref(),
+            &model,
             &chunks,
             &format!("{name} "),
         );
         println!("{name}: incremental vs full pass, max |Δlogit| {worst:.2e}");
         common::batched_equals_one_by_one(
-            model.as_ref(),
+            &model,
             &exp.prompt_ids[0],
             &exp.prompt_ids[2],
             6,
@@ -198,10 +203,9 @@ fn cuda_decodes_and_batches_consistently() {
 /// expert choice, that token's logits may move far more than the rounding error elsewhere.
 #[test]
 fn cuda_deepseek_fp8_routing_vs_the_cpu_twins() {
-    use fmoe_engine::ModelKvCache;
     use fmoe_models::{
-        Checkpoint, DeepseekV3ForCausalLM, LogitsFor, ModelConfig, Placement, SeqChunk, Vb,
-        WeightSource,
+        Checkpoint, DeepseekV3ForCausalLM, ForwardInput, KvPool, ModelConfig, SeqStep, StepLogits,
+        Vb, WeightSource,
     };
     if !common::cuda_or_skip() {
         return;
@@ -226,19 +230,21 @@ fn cuda_deepseek_fp8_routing_vs_the_cpu_twins() {
             let bar = fmoe_models::loader::progress_bar(0, false);
             let vb = Vb::new(&source, &bar);
             let moe = common::moe_options(scheme, KernelFamily::Portable);
-            let m =
-                DeepseekV3ForCausalLM::load_on(&cfg, &vb, &moe, Placement::Device(device)).unwrap();
-            let mut cache = ModelKvCache::for_model(m.info(), tokens.len()).unwrap();
-            let seq = cache.allocate(tokens.len()).unwrap();
-            let chunk = SeqChunk {
-                seq,
-                tokens: tokens.clone(),
-                start_pos: 0,
+            let dtype = Some(fmoe_core::DType::BF16);
+            let m = DeepseekV3ForCausalLM::load_on(&cfg, &vb, &moe, device, dtype).unwrap();
+            let info = m.info();
+            let blocks: Vec<u32> = (0..tokens.len().div_ceil(16) as u32).collect();
+            let mut pool =
+                KvPool::new(&info.kv_layout, info.dtype, info.device, blocks.len(), 16).unwrap();
+            let step = SeqStep {
+                tokens: &tokens,
+                past: 0,
+                block_table: &blocks,
+                logits: StepLogits::All,
             };
-            let (logits, trace) = m
-                .forward_traced(&[chunk], &mut cache, LogitsFor::All)
-                .unwrap();
-            (logits.to_f32_vec().unwrap(), trace)
+            let input = ForwardInput::new(info, 16, blocks.len(), &[step]).unwrap();
+            let (out, trace) = m.forward_traced(&input, &mut pool).unwrap();
+            (out.into_host().unwrap().to_f32_vec().unwrap(), trace)
         };
         let (gpu, gpu_trace) = run(fmoe_core::Device::Cuda(0));
         let (cpu, cpu_trace) = run(fmoe_core::Device::Cpu);
@@ -287,7 +293,7 @@ fn cuda_deepseek_fp8_routing_vs_the_cpu_twins() {
 }
 
 #[test]
-fn a_host_cache_is_refused_by_the_device_path() {
+fn a_pool_of_another_dtype_is_refused() {
     let (dir, exp) = fixture("tiny-mixtral");
     let model = load_model_on(
         Target::DeviceOnCpu,
@@ -295,18 +301,25 @@ fn a_host_cache_is_refused_by_the_device_path() {
         QuantScheme::Unquantized,
         KernelFamily::Portable,
     );
-    let mut cache = fmoe_engine::ContiguousKvCache::new(model.info().kv_layout.clone());
-    let seq = cache.allocate();
-    let chunk = fmoe_models::SeqChunk {
-        seq,
-        tokens: exp.prompt_ids[0].clone(),
-        start_pos: 0,
+    let info = model.info();
+    let mut pool = fmoe_models::KvPool::new(
+        &info.kv_layout,
+        fmoe_core::DType::F32,
+        info.device,
+        4,
+        16,
+    )
+    .unwrap();
+    let blocks = [0u32, 1];
+    let step = fmoe_models::SeqStep {
+        tokens: &exp.prompt_ids[0],
+        past: 0,
+        block_table: &blocks,
+        logits: fmoe_models::StepLogits::Last,
     };
-    let err = model
-        .forward(&[chunk], &mut cache, fmoe_models::LogitsFor::Last)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("slab KV cache"), "{err}");
+    let input = fmoe_models::ForwardInput::new(info, 16, 4, &[step]).unwrap();
+    let err = model.forward(&input, &mut pool).err().unwrap().to_string();
+    assert!(err.contains("KV pool") && err.contains("bf16"), "{err}");
 }
 
 /// A copy of fixture `name` (config, tokenizer, checkpoint) whose bf16 embedding row `token` is
@@ -350,28 +363,28 @@ fn nan_errors(
     nan_token: u32,
 ) -> [String; 2] {
     let model = load_model_on(target, dir, scheme, family);
-    let mut cache = common::cache_for(model.as_ref(), 2 * (bad.len() + clean.len() + 1));
-    let run = |cache: &mut fmoe_engine::ModelKvCache, seq, tokens: &[u32], start_pos| {
+    let mut cache = common::cache_for(&model, 2 * (bad.len() + clean.len() + 1) + 64);
+    let run = |cache: &mut DirectSession, seq, tokens: &[u32], start_pos| {
         let chunk = SeqChunk {
             seq,
             tokens: tokens.to_vec(),
             start_pos,
         };
-        model.forward(&[chunk], cache, LogitsFor::Last)
+        cache.forward(&[chunk], LogitsFor::Last)
     };
-    let a = cache.allocate(bad.len()).unwrap();
+    let a = cache.allocate();
     let prefill = run(&mut cache, a, bad, 0).unwrap_err().to_string();
     cache.free(a);
-    let b = cache.allocate(clean.len() + 1).unwrap();
+    let b = cache.allocate();
     let logits = run(&mut cache, b, clean, 0).unwrap();
-    common::assert_finite(&logits.to_f32_vec().unwrap());
+    common::assert_finite(&logits);
     let decode = run(&mut cache, b, &[nan_token], clean.len())
         .unwrap_err()
         .to_string();
     cache.free(b);
-    let c = cache.allocate(clean.len()).unwrap();
+    let c = cache.allocate();
     let logits = run(&mut cache, c, clean, 0).unwrap();
-    common::assert_finite(&logits.to_f32_vec().unwrap());
+    common::assert_finite(&logits);
     [prefill, decode]
 }
 

@@ -55,7 +55,7 @@ fn decode_with_the_cache_equals_one_full_pass() {
     let model = load_model(&fixture(), QuantScheme::Unquantized, KernelFamily::Portable);
     let mut chunks = vec![exp.prompt_ids[1].clone()];
     chunks.extend(exp.greedy_ids[1].iter().map(|&t| vec![t]));
-    common::decode_with_the_cache_equals_one_full_pass(Target::Host, model.as_ref(), &chunks, "");
+    common::decode_with_the_cache_equals_one_full_pass(Target::Host, &model, &chunks, "");
 }
 
 #[test]
@@ -67,8 +67,12 @@ fn tokenizer_encodes_the_prompts_as_transformers_did() {
 fn stop_strings_cut_the_text() {
     let exp = expected();
     let loaded = load(&fixture(), &LoadOptions::default()).unwrap();
-    let tok = loaded.tokenizer.as_ref().unwrap();
-    let full = tok.decode(&exp.greedy_ids[0]).unwrap();
+    let full = loaded
+        .tokenizer
+        .as_ref()
+        .unwrap()
+        .decode(&exp.greedy_ids[0])
+        .unwrap();
     // The first ASCII word of three or more letters in the greedy text, as a stop string.
     let word = full
         .split(|c: char| !c.is_ascii_alphabetic())
@@ -81,13 +85,10 @@ fn stop_strings_cut_the_text() {
         stop: vec!["never appears \u{0}".into(), word.clone()],
         ..GenerateParams::default()
     };
-    let g = generate(
-        loaded.model.as_ref(),
-        Some(tok),
-        &exp.prompt_ids[..1],
-        &params,
-    )
-    .unwrap();
+    let model: std::sync::Arc<dyn fmoe_models::CausalLm> = std::sync::Arc::from(loaded.model);
+    let config = fmoe_engine::EngineArgs::default().resolve(&model).unwrap();
+    let mut engine = fmoe_engine::Engine::new(model, loaded.tokenizer, config).unwrap();
+    let g = generate(&mut engine, &exp.prompt_ids[..1], &params).unwrap();
     let out = &g.outputs[0];
     assert_eq!(
         out.finish_reason,

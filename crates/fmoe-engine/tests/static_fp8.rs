@@ -14,7 +14,7 @@ mod common;
 
 use ckpt::rel_l2;
 use common::{Expected, Target, forward, load_model_on};
-use fmoe_models::LogitsFor;
+use fmoe_engine::LogitsFor;
 use fmoe_moe::{KernelFamily, QuantScheme};
 
 const FP8_BOUND: f32 = 0.27;
@@ -26,7 +26,7 @@ fn static_logits(target: Target, base: f32, family: KernelFamily) -> Vec<f32> {
     });
     let exp: Expected = common::read_expected(&common::fixture("tiny-mixtral"));
     let model = load_model_on(target, dir.path(), QuantScheme::Fp8PerTensor, family);
-    forward(model.as_ref(), &exp.prompt_ids[0], LogitsFor::Last)
+    forward(&model, &exp.prompt_ids[0], LogitsFor::Last)
 }
 
 fn static_checkpoint_within_the_fp8_bound(target: Target) {

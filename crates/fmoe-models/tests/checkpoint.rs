@@ -6,10 +6,10 @@ mod common;
 
 use std::path::Path;
 
-use common::{Edit, Fixture, Raw, Tensors, TestCache, load_err, write};
+use common::{Edit, Fixture, Raw, Tensors, load_err, write};
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_models::model::SeqChunk;
-use fmoe_models::{CausalLm, Checkpoint, Error, LoadFormat, LoadOptions, LogitsFor, Result, load};
+use fmoe_models::StepLogits;
+use fmoe_models::{CausalLm, Checkpoint, Error, LoadFormat, LoadOptions, Result, load};
 use fmoe_moe::QuantScheme;
 use safetensors::tensor::Dtype;
 
@@ -305,28 +305,35 @@ fn dummy_weights_run_and_depend_only_on_the_seed() {
 #[test]
 fn forward_rejects_bad_input() {
     let model = load_with(&FIXTURE.dir(), None).unwrap();
-    let mut cache = TestCache::new(model.as_ref());
-    let chunk = |tokens: Vec<u32>, start_pos| SeqChunk {
-        seq: 0,
-        tokens,
-        start_pos,
-    };
-    let err = |c: SeqChunk, cache: &mut TestCache| -> String {
-        match model.forward(&[c], cache, LogitsFor::Last) {
+    let model = model.as_ref();
+    let mut pool = common::pool_for(model, 1);
+    let err = |tokens: &[u32], past, pool: &mut fmoe_models::KvPool| -> String {
+        match common::step(model, pool, &[(tokens, past)], StepLogits::Last) {
             Ok(_) => panic!("accepted"),
             Err(e) => e.to_string(),
         }
     };
-    assert!(err(chunk(vec![1, 512], 0), &mut cache).contains("token id 512"));
-    assert!(err(chunk(vec![], 0), &mut cache).contains("no tokens"));
-    assert!(err(chunk(vec![1], 3), &mut cache).contains("start_pos 3"));
-    assert!(err(chunk(vec![1; 257], 0), &mut cache).contains("max_position_embeddings"));
-    let e: Error = model
-        .forward(
-            &[chunk(vec![1], 0), chunk(vec![2], 0)],
-            &mut cache,
-            LogitsFor::Last,
-        )
-        .unwrap_err();
-    assert!(e.to_string().contains("twice"), "{e}");
+    assert!(err(&[1, 512], 0, &mut pool).contains("token id 512"));
+    assert!(err(&[], 0, &mut pool).contains("no new tokens"));
+    assert!(err(&[1; 257], 0, &mut pool).contains("max_position_embeddings"));
+    assert!(err(&[1], 256, &mut pool).contains("max_position_embeddings"));
+    // A block table that does not cover the positions, and blocks outside the pool.
+    let info = model.info();
+    let short = [0u32];
+    let step = fmoe_models::SeqStep {
+        tokens: &[1; 17],
+        past: 0,
+        block_table: &short,
+        logits: StepLogits::Last,
+    };
+    let e = fmoe_models::ForwardInput::new(info, 16, 4, &[step]).unwrap_err();
+    assert!(e.to_string().contains("need 2 blocks"), "{e}");
+    let far = [9u32];
+    let step = fmoe_models::SeqStep {
+        block_table: &far,
+        tokens: &[1],
+        ..step
+    };
+    let e: Error = fmoe_models::ForwardInput::new(info, 16, 4, &[step]).unwrap_err();
+    assert!(e.to_string().contains("block 9"), "{e}");
 }

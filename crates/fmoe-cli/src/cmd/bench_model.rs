@@ -27,9 +27,9 @@ use anyhow::{Context, Result, bail};
 use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device};
-use fmoe_engine::{ModelKvCache, argmax};
+use fmoe_engine::{DirectSession, LogitsFor, SeqChunk, argmax};
 use fmoe_models::{
-    CausalLm, LoadFormat, LoadOptions, LogitsFor, ModelConfig, MoeOptions, SeqChunk, load,
+    CausalLm, LoadFormat, LoadOptions, ModelConfig, MoeOptions, load,
 };
 use fmoe_moe::QuantScheme;
 use rand::{Rng, SeedableRng};
@@ -158,7 +158,7 @@ pub fn run(args: ModelArgs) -> Result<()> {
         progress: false,
         num_layers: args.num_layers.map(|n| n as usize),
         device,
-        device_path_on_cpu: false,
+        dtype: None,
     };
     let t0 = Instant::now();
     let loaded =
@@ -167,7 +167,7 @@ pub fn run(args: ModelArgs) -> Result<()> {
         fmoe_core::cuda::cuda_backend(i)?.synchronize()?;
     }
     let load_s = t0.elapsed().as_secs_f64();
-    let model = loaded.model.as_ref();
+    let model: std::sync::Arc<dyn CausalLm> = std::sync::Arc::from(loaded.model);
     let info = model.info();
     let moe = match info.moe {
         Some((scheme, family)) => format!("MoE {scheme}/{family}"),
@@ -197,8 +197,8 @@ pub fn run(args: ModelArgs) -> Result<()> {
                     .collect()
             })
             .collect();
-        session(model, device, &prompts, 2)?;
-        let (ttft_ms, mut steps) = session(model, device, &prompts, args.decode_steps)?;
+        session(&model, device, &prompts, 2)?;
+        let (ttft_ms, mut steps) = session(&model, device, &prompts, args.decode_steps)?;
         steps.sort_by(f64::total_cmp);
         let tpot_ms = steps.get(steps.len() / 2).copied().unwrap_or(f64::NAN);
         let scheme = info.moe.map(|m| m.0);
@@ -247,7 +247,7 @@ pub fn run(args: ModelArgs) -> Result<()> {
 /// One generation: prefill `prompts` together, then `steps` greedy decode steps. Returns the
 /// prefill's ms and each step's ms.
 fn session(
-    model: &dyn CausalLm,
+    model: &std::sync::Arc<dyn CausalLm>,
     device: Device,
     prompts: &[Vec<u32>],
     steps: usize,
@@ -260,25 +260,20 @@ fn session(
             info.max_position_embeddings
         );
     }
-    let mut cache = ModelKvCache::for_model(info, reach * prompts.len())?;
+    let mut cache = DirectSession::new(model.clone(), (reach + 16) * prompts.len())?;
     let mut chunks = prompts
         .iter()
-        .map(|p| {
-            Ok(SeqChunk {
-                seq: cache.allocate(reach)?,
-                tokens: p.clone(),
-                start_pos: 0,
-            })
+        .map(|p| SeqChunk {
+            seq: cache.allocate(),
+            tokens: p.clone(),
+            start_pos: 0,
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Vec<_>>();
     let vocab = info.vocab_size;
     let mut times = Vec::with_capacity(steps + 1);
     for _ in 0..=steps {
-        let (ms, logits) = timed(device, || {
-            Ok(model.forward(&chunks, &mut cache, LogitsFor::Last)?)
-        })?;
+        let (ms, rows) = timed(device, || Ok(cache.forward(&chunks, LogitsFor::Last)?))?;
         times.push(ms);
-        let rows = logits.cpu_slice::<f32>("bench model", "logits")?;
         for (i, c) in chunks.iter_mut().enumerate() {
             c.start_pos += c.tokens.len();
             c.tokens = vec![argmax(&rows[i * vocab..(i + 1) * vocab])];

@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use fmoe_core::Device;
 use fmoe_core::env::FusedSwitches;
-use fmoe_engine::{GenerateParams, SamplingParams, generate};
+use fmoe_engine::{Engine, GenerateParams, SamplingParams, generate};
 use fmoe_models::{LoadFormat, LoadOptions, MoeOptions, load};
 use fmoe_moe::QuantScheme;
 use serde::Serialize;
@@ -38,7 +38,10 @@ pub struct Args {
     /// Nucleus sampling: keep the most probable tokens up to this mass.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
-    /// Seed of the sampler (each prompt gets its own stream).
+    /// Keep only the k most probable tokens (0: all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Seed of the sampler (prompt i samples with seed + i).
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Stop when the text contains this string (repeatable); the text is cut before it.
@@ -65,6 +68,8 @@ pub struct Args {
     /// prompt_tokens, tokens_per_s, ... of the first prompt, and `outputs` for all.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    engine: super::engine_flags::EngineFlags,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -89,6 +94,16 @@ struct OutputJson {
 }
 
 #[derive(Serialize)]
+struct EngineJson {
+    preemptions: u64,
+    prefix_cache_hits: u64,
+    prefix_cache_queries: u64,
+    peak_blocks: usize,
+    num_blocks: usize,
+    block_size: usize,
+}
+
+#[derive(Serialize)]
 struct Report {
     token_ids: Vec<u32>,
     text: Option<String>,
@@ -107,6 +122,7 @@ struct Report {
     moe_method: Option<String>,
     moe_kernel: Option<String>,
     outputs: Vec<OutputJson>,
+    engine: EngineJson,
 }
 
 fn parse_ids(s: &str) -> Result<Vec<u32>> {
@@ -122,6 +138,13 @@ fn parse_ids(s: &str) -> Result<Vec<u32>> {
 
 pub fn run(args: Args) -> Result<()> {
     let switches = FusedSwitches::from_env()?;
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+    };
+    sampling.validate()?;
     let device = super::require_device(args.device)?;
     let scheme = args.quantization.map(|q| match q {
         Quantization::Fp8 => QuantScheme::Fp8PerTensor,
@@ -136,13 +159,14 @@ pub fn run(args: Args) -> Result<()> {
         progress: !args.json,
         num_layers: args.num_layers.map(|n| n as usize),
         device,
-        device_path_on_cpu: false,
+        dtype: None,
     };
     let t0 = Instant::now();
     let loaded =
         load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     let load_s = t0.elapsed().as_secs_f64();
-    let info = loaded.model.info();
+    let model: std::sync::Arc<dyn fmoe_models::CausalLm> = std::sync::Arc::from(loaded.model);
+    let info = model.info().clone();
     tracing::info!(
         model = info.architecture,
         seconds = load_s,
@@ -172,20 +196,13 @@ pub fn run(args: Args) -> Result<()> {
 
     let params = GenerateParams {
         max_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            seed: args.seed,
-        },
+        sampling,
         stop: args.stop.clone(),
         ignore_eos: args.ignore_eos,
     };
-    let g = generate(
-        loaded.model.as_ref(),
-        loaded.tokenizer.as_ref(),
-        &prompts,
-        &params,
-    )?;
+    let config = args.engine.args(args.seed).resolve(&model)?;
+    let mut engine = Engine::new(model, loaded.tokenizer, config)?;
+    let g = generate(&mut engine, &prompts, &params)?;
     let s = &g.stats;
     if args.json {
         let outputs: Vec<OutputJson> = g
@@ -221,6 +238,14 @@ pub fn run(args: Args) -> Result<()> {
             moe_method: info.moe.map(|(m, _)| m.to_string()),
             moe_kernel: info.moe.map(|(_, k)| k.to_string()),
             outputs,
+            engine: EngineJson {
+                preemptions: s.engine.preemptions,
+                prefix_cache_hits: s.engine.prefix_cache_hits,
+                prefix_cache_queries: s.engine.prefix_cache_queries,
+                peak_blocks: s.engine.peak_blocks,
+                num_blocks: config.num_blocks,
+                block_size: config.block_size,
+            },
         };
         println!("{}", serde_json::to_string(&report)?);
         return Ok(());

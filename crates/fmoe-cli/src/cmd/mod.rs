@@ -1,6 +1,7 @@
 pub mod bench;
 mod bench_cuda;
 mod bench_model;
+pub mod engine_flags;
 pub mod generate;
 pub mod kernels;
 

@@ -115,6 +115,15 @@ impl CudaBackend {
         &self.stream
     }
 
+    /// (free, total) bytes of device memory, as the driver sees them now (memory the stream's
+    /// pool keeps for reuse counts as used).
+    pub fn memory_info(&self) -> Result<(usize, usize)> {
+        self.context
+            .bind_to_thread()
+            .map_err(|e| cuda_error("CudaBackend::memory_info", e))?;
+        result::mem_get_info().map_err(|e| cuda_error("CudaBackend::memory_info", e))
+    }
+
     /// Waits for all work issued so far on [`Self::stream`]; reports errors of earlier
     /// asynchronous work (e.g. a faulting kernel).
     pub fn synchronize(&self) -> Result<()> {

@@ -7,16 +7,20 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-use fmoe_core::Device;
+use fmoe_core::{DType, Device};
 use fmoe_core::env::FusedSwitches;
-use fmoe_engine::{GenerateParams, ModelKvCache, SamplingParams, generate};
-use fmoe_models::{CausalLm, LoadOptions, LogitsFor, MoeOptions, SeqChunk, load};
+use fmoe_engine::{
+    DirectSession, Engine, EngineArgs, GenerateParams, Generation, LogitsFor, SamplingParams,
+    SeqChunk, generate,
+};
+use fmoe_models::{CausalLm, LoadOptions, MoeOptions, load};
 use fmoe_moe::{KernelFamily, QuantScheme};
 use serde::Deserialize;
 
 /// A model of the fixture in a directory, for one MoE method and kernel family.
-pub type Loader<'a> = &'a dyn Fn(&Path, QuantScheme, KernelFamily) -> Box<dyn CausalLm>;
+pub type Loader<'a> = &'a dyn Fn(&Path, QuantScheme, KernelFamily) -> Arc<dyn CausalLm>;
 
 /// For a method, kernel family and token sequence: per position, whether a routing decision
 /// differing from transformers' may have moved that position's logits (see
@@ -26,25 +30,25 @@ pub type RoutingFlips<'a> = &'a dyn Fn(QuantScheme, KernelFamily, &[u32]) -> Vec
 /// Where a golden test runs the model.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Target {
-    /// The host path: f32 layers on the CPU.
+    /// The CPU in f32 (the default there: the golden reference).
     Host,
-    /// The device path on the CPU (the kernels' CPU twins, bf16 activations).
+    /// The CPU in bf16 (the kernels' CPU twins with the GPU's activation dtype).
     DeviceOnCpu,
-    /// The device path on CUDA device 0 (bf16 activations).
+    /// CUDA device 0 (bf16 activations).
     Cuda,
 }
 
 impl Target {
     pub fn options(self, moe: MoeOptions) -> LoadOptions {
-        let (device, device_path_on_cpu) = match self {
-            Target::Host => (Device::Cpu, false),
-            Target::DeviceOnCpu => (Device::Cpu, true),
-            Target::Cuda => (Device::Cuda(0), false),
+        let (device, dtype) = match self {
+            Target::Host => (Device::Cpu, None),
+            Target::DeviceOnCpu => (Device::Cpu, Some(DType::BF16)),
+            Target::Cuda => (Device::Cuda(0), None),
         };
         LoadOptions {
             moe,
             device,
-            device_path_on_cpu,
+            dtype,
             ..LoadOptions::default()
         }
     }
@@ -102,7 +106,7 @@ pub fn moe_options(scheme: QuantScheme, family: KernelFamily) -> MoeOptions {
     }
 }
 
-pub fn load_model(dir: &Path, scheme: QuantScheme, family: KernelFamily) -> Box<dyn CausalLm> {
+pub fn load_model(dir: &Path, scheme: QuantScheme, family: KernelFamily) -> Arc<dyn CausalLm> {
     load_model_on(Target::Host, dir, scheme, family)
 }
 
@@ -111,32 +115,41 @@ pub fn load_model_on(
     dir: &Path,
     scheme: QuantScheme,
     family: KernelFamily,
-) -> Box<dyn CausalLm> {
-    load(dir, &target.options(moe_options(scheme, family)))
-        .unwrap()
-        .model
+) -> Arc<dyn CausalLm> {
+    Arc::from(
+        load(dir, &target.options(moe_options(scheme, family)))
+            .unwrap()
+            .model,
+    )
 }
 
-/// The cache `model` needs, for `slots` tokens.
-pub fn cache_for(model: &dyn CausalLm, slots: usize) -> ModelKvCache {
-    ModelKvCache::for_model(model.info(), slots).unwrap()
+/// A session over `model` whose pool holds `tokens` tokens.
+pub fn cache_for(model: &Arc<dyn CausalLm>, tokens: usize) -> DirectSession {
+    DirectSession::new(model.clone(), tokens).unwrap()
+}
+
+/// `prompts` generated through an engine over `model` with the default sizes.
+pub fn generate_all(
+    model: &Arc<dyn CausalLm>,
+    prompts: &[Vec<u32>],
+    params: &GenerateParams,
+) -> Generation {
+    let config = EngineArgs::default().resolve(model).unwrap();
+    let mut engine = Engine::new(model.clone(), None, config).unwrap();
+    generate(&mut engine, prompts, params).unwrap()
 }
 
 /// Logits of `which` positions of `tokens`, prefilled alone (all finite: the error measures
 /// below would let a NaN through).
-pub fn forward(model: &dyn CausalLm, tokens: &[u32], which: LogitsFor) -> Vec<f32> {
+pub fn forward(model: &Arc<dyn CausalLm>, tokens: &[u32], which: LogitsFor) -> Vec<f32> {
     let mut cache = cache_for(model, tokens.len());
-    let seq = cache.allocate(tokens.len()).unwrap();
+    let seq = cache.allocate();
     let chunk = SeqChunk {
         seq,
         tokens: tokens.to_vec(),
         start_pos: 0,
     };
-    let logits = model
-        .forward(&[chunk], &mut cache, which)
-        .unwrap()
-        .to_f32_vec()
-        .unwrap();
+    let logits = cache.forward(&[chunk], which).unwrap();
     assert_finite(&logits);
     logits
 }
@@ -149,7 +162,7 @@ pub fn assert_finite(v: &[f32]) {
 }
 
 /// Last-position logits of `prompt`, prefilled alone.
-pub fn prefill(model: &dyn CausalLm, prompt: &[u32]) -> Vec<f32> {
+pub fn prefill(model: &Arc<dyn CausalLm>, prompt: &[u32]) -> Vec<f32> {
     forward(model, prompt, LogitsFor::Last)
 }
 
@@ -225,7 +238,7 @@ pub fn every_method_and_kernel_matches_transformers(
             let model = load(dir, scheme, family);
             let mut worst = 0f32;
             for (i, prompt) in exp.prompt_ids.iter().enumerate() {
-                let got = prefill(model.as_ref(), prompt);
+                let got = prefill(&model, prompt);
                 let want = &exp.prefill_logits[i][0];
                 let (err, tol) = error_and_tolerance(target, scheme, &got, want);
                 worst = worst.max(max_abs_diff(&got, want));
@@ -251,7 +264,7 @@ pub fn every_method_and_kernel_matches_transformers(
                 let exempt =
                     flips.map_or_else(|| vec![false; full.len()], |f| f(scheme, family, &full));
                 let (agree, required, bad) =
-                    teacher_forced(model.as_ref(), exp, i, 2.0 * worst, &exempt);
+                    teacher_forced(&model, exp, i, 2.0 * worst, &exempt);
                 let flipped: Vec<usize> = (0..exp.greedy_ids[i].len())
                     .filter(|&st| exempt[exp.prompt_ids[i].len() - 1 + st])
                     .collect();
@@ -267,7 +280,7 @@ pub fn every_method_and_kernel_matches_transformers(
                 }
             }
             // All prompts in one batch: prefill of different lengths, then batched decode.
-            let g = generate(model.as_ref(), None, &exp.prompt_ids, &params).unwrap();
+            let g = generate_all(&model, &exp.prompt_ids, &params);
             for (i, out) in g.outputs.iter().enumerate() {
                 let matches = out.token_ids == exp.greedy_ids[i];
                 let required = (scheme == QuantScheme::Unquantized && target == Target::Host)
@@ -300,7 +313,7 @@ pub fn every_method_and_kernel_matches_transformers(
 /// Argmax agreement along transformers' greedy path: (steps agreeing, steps required, first
 /// required step that disagrees). Positions marked in `exempt` are never required.
 fn teacher_forced(
-    model: &dyn CausalLm,
+    model: &Arc<dyn CausalLm>,
     exp: &Expected,
     i: usize,
     min_margin: f32,
@@ -340,7 +353,7 @@ pub fn fixture_margins_are_what_the_tests_assume(exp: &Expected) {
 /// bf16 device path. `label` starts each failure message. Returns the largest |Δlogit|.
 pub fn decode_with_the_cache_equals_one_full_pass(
     target: Target,
-    model: &dyn CausalLm,
+    model: &Arc<dyn CausalLm>,
     chunks: &[Vec<u32>],
     label: &str,
 ) -> f32 {
@@ -348,7 +361,7 @@ pub fn decode_with_the_cache_equals_one_full_pass(
     let all = forward(model, &full, LogitsFor::All);
     let vocab = model.info().vocab_size;
     let mut cache = cache_for(model, full.len());
-    let seq = cache.allocate(full.len()).unwrap();
+    let seq = cache.allocate();
     let mut pos = 0;
     let mut worst = 0f32;
     for (step, chunk) in chunks.iter().enumerate() {
@@ -357,11 +370,7 @@ pub fn decode_with_the_cache_equals_one_full_pass(
             tokens: chunk.clone(),
             start_pos: pos,
         };
-        let got = model
-            .forward(&[c], &mut cache, LogitsFor::Last)
-            .unwrap()
-            .to_f32_vec()
-            .unwrap();
+        let got = cache.forward(&[c], LogitsFor::Last).unwrap();
         pos += chunk.len();
         let row = &all[(pos - 1) * vocab..pos * vocab];
         let err = max_abs_diff(&got, row);
@@ -380,12 +389,12 @@ pub fn decode_with_the_cache_equals_one_full_pass(
 /// `steps` steps (each feeding its own greedy token), give the logits of running each alone
 /// through the same steps: equal within `BF16_REL_TOL` (relative 2-norm) per row, and the same
 /// greedy tokens where the row's top-1/top-2 margin exceeds twice the measured difference.
-pub fn batched_equals_one_by_one(model: &dyn CausalLm, a: &[u32], b: &[u32], steps: usize) {
+pub fn batched_equals_one_by_one(model: &Arc<dyn CausalLm>, a: &[u32], b: &[u32], steps: usize) {
     let vocab = model.info().vocab_size;
     // One sequence alone: last-position logits of the prefill and of each decode step.
     let alone = |prompt: &[u32]| -> Vec<Vec<f32>> {
-        let mut cache = cache_for(model, prompt.len() + steps);
-        let seq = cache.allocate(prompt.len() + steps).unwrap();
+        let mut cache = cache_for(model, prompt.len() + steps + 1);
+        let seq = cache.allocate();
         let mut out = Vec::new();
         let mut chunk = SeqChunk {
             seq,
@@ -393,10 +402,8 @@ pub fn batched_equals_one_by_one(model: &dyn CausalLm, a: &[u32], b: &[u32], ste
             start_pos: 0,
         };
         for _ in 0..=steps {
-            let l = model
-                .forward(std::slice::from_ref(&chunk), &mut cache, LogitsFor::Last)
-                .unwrap()
-                .to_f32_vec()
+            let l = cache
+                .forward(std::slice::from_ref(&chunk), LogitsFor::Last)
                 .unwrap();
             chunk = SeqChunk {
                 seq,
@@ -409,9 +416,9 @@ pub fn batched_equals_one_by_one(model: &dyn CausalLm, a: &[u32], b: &[u32], ste
     };
     let (want_a, want_b) = (alone(a), alone(b));
     // Both at once, each fed the token it got alone (so the inputs are the same).
-    let mut cache = cache_for(model, a.len() + b.len() + 2 * steps);
-    let sa = cache.allocate(a.len() + steps).unwrap();
-    let sb = cache.allocate(b.len() + steps).unwrap();
+    let mut cache = cache_for(model, a.len() + b.len() + 2 * steps + 32);
+    let sa = cache.allocate();
+    let sb = cache.allocate();
     let mut chunks = vec![
         SeqChunk {
             seq: sa,
@@ -426,11 +433,7 @@ pub fn batched_equals_one_by_one(model: &dyn CausalLm, a: &[u32], b: &[u32], ste
     ];
     let mut worst = 0f32;
     for step in 0..=steps {
-        let got = model
-            .forward(&chunks, &mut cache, LogitsFor::Last)
-            .unwrap()
-            .to_f32_vec()
-            .unwrap();
+        let got = cache.forward(&chunks, LogitsFor::Last).unwrap();
         for (j, want) in [&want_a[step], &want_b[step]].into_iter().enumerate() {
             let row = &got[j * vocab..(j + 1) * vocab];
             let rel = rel_l2(row, want);
@@ -478,7 +481,7 @@ pub fn both_config_layouts_load_to_the_same_model(
     let v5 = load(src, QuantScheme::Unquantized, KernelFamily::Portable);
     let v4 = load(&tmp, QuantScheme::Unquantized, KernelFamily::Portable);
     for p in &exp.prompt_ids {
-        assert_eq!(prefill(v5.as_ref(), p), prefill(v4.as_ref(), p));
+        assert_eq!(prefill(&v5, p), prefill(&v4, p));
     }
     std::fs::remove_dir_all(&tmp).unwrap();
 }

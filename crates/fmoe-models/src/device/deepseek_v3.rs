@@ -94,6 +94,9 @@ impl Mla {
             },
             None => QProj::Plain(load_dense(&vb.pp("q_proj"), q_out, h, quant, ctx)?),
         };
+        let kv_a_proj_with_mqa =
+            load_dense(&vb.pp("kv_a_proj_with_mqa"), r + s.qk_rope_head_dim, h, quant, ctx)?;
+        let kv_a_layernorm = Norm::load(&vb.pp("kv_a_layernorm"), r, MLA_NORM_EPS, ctx)?;
         // kv_b rows are per head [nope | v]: gather each half's rows into its own weight.
         let kv_b = load_dense(&vb.pp("kv_b_proj"), nh * (dn + dv), r, quant, ctx)?;
         let mut w_uk = Tensor::zeros([nh * dn, r], ctx.dtype, &ctx.device)?;
@@ -104,14 +107,8 @@ impl Mla {
         }
         Ok(Mla {
             q,
-            kv_a_proj_with_mqa: load_dense(
-                &vb.pp("kv_a_proj_with_mqa"),
-                r + s.qk_rope_head_dim,
-                h,
-                quant,
-                ctx,
-            )?,
-            kv_a_layernorm: Norm::load(&vb.pp("kv_a_layernorm"), r, MLA_NORM_EPS, ctx)?,
+            kv_a_proj_with_mqa,
+            kv_a_layernorm,
             w_uk,
             w_uv,
             o_proj: load_dense(&vb.pp("o_proj"), h, nh * dv, quant, ctx)?,

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_models::model::{KvCache, SeqChunk};
-use fmoe_models::{CausalLm, LoadOptions, LogitsFor, MoeOptions, Result, SeqId, load};
+use fmoe_models::{ForwardInput, KvPool, SeqStep, StepLogits};
+use fmoe_models::{CausalLm, LoadOptions, MoeOptions, Result, load};
 use fmoe_moe::QuantScheme;
 use safetensors::tensor::{Dtype, View};
 use tempfile::TempDir;
@@ -270,48 +270,41 @@ pub fn assert_config_errors(fixture: &Fixture, tensors: &Tensors, cases: Vec<(Ed
     }
 }
 
-/// A minimal cache for driving the model directly (the engine has the real one).
-pub struct TestCache {
-    streams: Vec<Vec<Vec<f32>>>,
-    widths: Vec<usize>,
+/// One step of `seqs` (new tokens, past) through `pool`, each sequence owning consecutive blocks
+/// of 16 from block `16 · index` on (so a pool of 16 · seqs blocks fits 256 positions each).
+pub fn step(
+    model: &dyn CausalLm,
+    pool: &mut KvPool,
+    seqs: &[(&[u32], usize)],
+    logits: StepLogits,
+) -> Result<Vec<f32>> {
+    let tables: Vec<Vec<u32>> = (0..seqs.len() as u32)
+        .map(|i| (16 * i..16 * (i + 1)).collect())
+        .collect();
+    let steps: Vec<SeqStep> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(&(tokens, past), t)| SeqStep {
+            tokens,
+            past,
+            block_table: t,
+            logits,
+        })
+        .collect();
+    let input = ForwardInput::new(model.info(), 16, pool.num_blocks(), &steps)?;
+    Ok(model.forward(&input, pool)?.into_host()?.to_f32_vec()?)
 }
 
-impl TestCache {
-    pub fn new(model: &dyn CausalLm) -> TestCache {
-        let l = &model.info().kv_layout;
-        TestCache {
-            streams: vec![vec![Vec::new(); l.streams.len()]; l.num_layers],
-            widths: l.streams.clone(),
-        }
-    }
-}
-
-impl KvCache for TestCache {
-    fn cached(&self, _: SeqId, layer: usize) -> Result<usize> {
-        Ok(self.streams[layer][0].len() / self.widths[0])
-    }
-    fn append(&mut self, _: SeqId, layer: usize, stream: usize, rows: &[f32]) -> Result<()> {
-        self.streams[layer][stream].extend_from_slice(rows);
-        Ok(())
-    }
-    fn stream(&self, _: SeqId, layer: usize, stream: usize) -> Result<&[f32]> {
-        Ok(&self.streams[layer][stream])
-    }
+/// A pool for `seqs` sequences of `step`.
+pub fn pool_for(model: &dyn CausalLm, seqs: usize) -> KvPool {
+    let i = model.info();
+    KvPool::new(&i.kv_layout, i.dtype, i.device, 16 * seqs, 16).unwrap()
 }
 
 /// Last-position logits of `prompt`, prefilled alone.
 pub fn prefill(model: &dyn CausalLm, prompt: Vec<u32>) -> Vec<f32> {
-    let mut cache = TestCache::new(model);
-    let chunk = SeqChunk {
-        seq: 0,
-        tokens: prompt,
-        start_pos: 0,
-    };
-    model
-        .forward(&[chunk], &mut cache, LogitsFor::Last)
-        .unwrap()
-        .to_f32_vec()
-        .unwrap()
+    let mut pool = pool_for(model, 1);
+    step(model, &mut pool, &[(&prompt, 0)], StepLogits::Last).unwrap()
 }
 
 pub fn rel_l2(got: &[f32], want: &[f32]) -> f32 {
