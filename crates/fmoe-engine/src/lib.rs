@@ -19,12 +19,14 @@
 //! # Ok::<(), fmoe_engine::Error>(())
 //! ```
 
+mod block_manager;
 mod error;
 mod generate;
 mod kv_cache;
 mod sampler;
 mod slab_cache;
 
+pub use block_manager::{BlockId, BlockManager, OutOfBlocks, PrefixStats, SeqBlocks};
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
 pub use kv_cache::{ContiguousKvCache, ModelKvCache};
