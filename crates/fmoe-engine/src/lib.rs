@@ -20,6 +20,7 @@
 //! ```
 
 mod block_manager;
+mod detokenize;
 mod error;
 mod generate;
 mod kv_cache;
@@ -27,6 +28,7 @@ mod sampler;
 mod slab_cache;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks, PrefixStats, SeqBlocks};
+pub use detokenize::{IncrementalDecoder, StopMatcher};
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
 pub use kv_cache::{ContiguousKvCache, ModelKvCache};
