@@ -38,7 +38,7 @@ mod runner;
 pub mod sampler;
 pub mod scheduler;
 
-pub use block_manager::{BlockManager, SeqBlocks};
+pub use block_manager::{BlockId, BlockManager, OutOfBlocks, PrefixStats, SeqBlocks};
 pub use config::{DEFAULT_KV_CACHE_MEMORY, EngineArgs};
 pub use detokenize::{IncrementalDecoder, StopMatcher};
 pub use engine::{Engine, EngineConfig, EngineStats};
