@@ -60,7 +60,10 @@ impl EngineArgs {
         let info = model.info();
         let bad = |m: String| Err(Error::Request(m));
         if self.block_size == 0 || self.block_size > 1024 {
-            return bad(format!("block_size must be in 1..=1024, got {}", self.block_size));
+            return bad(format!(
+                "block_size must be in 1..=1024, got {}",
+                self.block_size
+            ));
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             return bad(format!(
@@ -70,9 +73,9 @@ impl EngineArgs {
         }
         let cuda = !info.device.is_cpu();
         let max_num_seqs = self.max_num_seqs.unwrap_or(if cuda { 256 } else { 16 });
-        let max_num_batched_tokens = self
-            .max_num_batched_tokens
-            .unwrap_or(if cuda { 8192 } else { 512 });
+        let max_num_batched_tokens =
+            self.max_num_batched_tokens
+                .unwrap_or(if cuda { 8192 } else { 512 });
         if max_num_seqs == 0 || max_num_batched_tokens == 0 {
             return bad("max_num_seqs and max_num_batched_tokens must be at least 1".into());
         }
@@ -110,7 +113,12 @@ impl EngineArgs {
     }
 
     /// Bytes left for the pool on GPU `ordinal` after the weights and a profile pass.
-    fn cuda_budget(&self, model: &Arc<dyn CausalLm>, ordinal: usize, tokens: usize) -> Result<usize> {
+    fn cuda_budget(
+        &self,
+        model: &Arc<dyn CausalLm>,
+        ordinal: usize,
+        tokens: usize,
+    ) -> Result<usize> {
         let backend = fmoe_core::cuda::cuda_backend(ordinal)?;
         let info = model.info();
         let tokens = tokens.min(info.max_position_embeddings).max(1);

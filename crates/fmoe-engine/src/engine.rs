@@ -127,7 +127,8 @@ impl Engine {
             )));
         }
         let runner = ModelRunner::new(model, config.num_blocks, config.block_size)?;
-        let blocks = BlockManager::new(config.num_blocks, config.block_size, config.prefix_caching)?;
+        let blocks =
+            BlockManager::new(config.num_blocks, config.block_size, config.prefix_caching)?;
         tracing::info!(
             blocks = config.num_blocks,
             block_size = config.block_size,
@@ -186,16 +187,33 @@ impl Engine {
             ));
         }
         if p.n == 0 || p.n > self.config.scheduler.max_num_seqs.max(1) * 16 {
-            return bad(format!("n must be in 1..={}, got {}", self.config.scheduler.max_num_seqs * 16, p.n));
+            return bad(format!(
+                "n must be in 1..={}, got {}",
+                self.config.scheduler.max_num_seqs * 16,
+                p.n
+            ));
         }
-        if let Some(t) = p.stop_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
-            return bad(format!("stop token id {t} is out of range for vocab_size {}", info.vocab_size));
+        if let Some(t) = p
+            .stop_token_ids
+            .iter()
+            .find(|&&t| t as usize >= info.vocab_size)
+        {
+            return bad(format!(
+                "stop token id {t} is out of range for vocab_size {}",
+                info.vocab_size
+            ));
         }
-        for (what, n) in [("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)] {
+        for (what, n) in [
+            ("logprobs", p.logprobs),
+            ("prompt_logprobs", p.prompt_logprobs),
+        ] {
             if let Some(n) = n
                 && n > info.vocab_size
             {
-                return bad(format!("{what} {n} exceeds the vocabulary ({})", info.vocab_size));
+                return bad(format!(
+                    "{what} {n} exceeds the vocabulary ({})",
+                    info.vocab_size
+                ));
             }
         }
         if !p.stop.is_empty() && self.tokenizer.is_none() {
@@ -287,7 +305,13 @@ impl Engine {
         for mut s in dropped {
             found = true;
             s.timings.finished = Some(Instant::now());
-            let out = self.output(&s, Vec::new(), String::new(), Vec::new(), Some(FinishReason::Abort));
+            let out = self.output(
+                &s,
+                Vec::new(),
+                String::new(),
+                Vec::new(),
+                Some(FinishReason::Abort),
+            );
             self.scheduler.blocks.free(std::mem::take(&mut s.blocks));
             self.pending.push(out);
         }
@@ -382,7 +406,11 @@ impl Engine {
                         match logprobs(row, s.tokens[next], n) {
                             Ok(l) => collected.push(Some(l)),
                             Err(e) => {
-                                finished.push((sc.index, None, Some(FinishReason::Error(e.to_string()))));
+                                finished.push((
+                                    sc.index,
+                                    None,
+                                    Some(FinishReason::Error(e.to_string())),
+                                ));
                                 break;
                             }
                         }
@@ -424,7 +452,13 @@ impl Engine {
                     text.push_str(&stop.flush());
                 }
             }
-            let mut out = self.output(&self.scheduler.running[index], ids, text, lp, reason.clone());
+            let mut out = self.output(
+                &self.scheduler.running[index],
+                ids,
+                text,
+                lp,
+                reason.clone(),
+            );
             let s = &mut self.scheduler.running[index];
             if !s.prompt_logprobs_sent && s.num_computed >= s.prompt_len {
                 out.prompt_logprobs = s.prompt_logprobs.take();
@@ -485,8 +519,10 @@ impl Engine {
                 }
             })
             .collect();
-        let (logits, spans) = self.runner.run(&steps)?;
-        Ok(spans
+        let out = self.runner.run(&steps)?;
+        let logits = out.logits;
+        Ok(out
+            .spans
             .iter()
             .map(|&(first, n)| logits[first * vocab..(first + n) * vocab].to_vec())
             .collect())

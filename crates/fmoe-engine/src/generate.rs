@@ -3,10 +3,10 @@
 
 use std::time::Instant;
 
+use crate::Result;
 use crate::engine::{Engine, EngineStats};
 use crate::request::{FinishReason, Request, RequestParams};
 use crate::sampler::SamplingParams;
-use crate::Result;
 
 /// What to generate.
 #[derive(Clone, Debug, PartialEq)]
@@ -137,7 +137,11 @@ pub fn generate(
         }
     }
     let index_of = |id: u64| ids.iter().position(|&x| x == id);
-    let mut unfinished = if params.max_tokens == 0 { 0 } else { prompts.len() };
+    let mut unfinished = if params.max_tokens == 0 {
+        0
+    } else {
+        prompts.len()
+    };
     if params.max_tokens == 0 {
         for id in ids.clone() {
             engine.abort(id);

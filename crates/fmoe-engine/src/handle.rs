@@ -10,12 +10,16 @@ use std::thread::JoinHandle;
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
+use crate::Result;
 use crate::engine::{Engine, EngineStats};
 use crate::request::{Request, RequestId, RequestOutput};
-use crate::Result;
 
 enum Command {
-    Add(Request, UnboundedSender<RequestOutput>, mpsc::Sender<Result<RequestId>>),
+    Add(
+        Request,
+        UnboundedSender<RequestOutput>,
+        mpsc::Sender<Result<RequestId>>,
+    ),
     Abort(RequestId),
     Stats(mpsc::Sender<(EngineStats, f64)>),
 }

@@ -46,6 +46,6 @@ pub use error::{Error, Result};
 pub use generate::{GenerateParams, Generation, Output, Stats, generate};
 pub use handle::{EngineHandle, RequestStream};
 pub use request::{FinishReason, Request, RequestId, RequestOutput, RequestParams, Timings};
-pub use runner::{DirectSession, LogitsFor, ModelRunner, SeqChunk, SeqId};
+pub use runner::{DirectSession, LogitsFor, ModelRunner, SeqChunk, SeqId, StepOutput};
 pub use sampler::{Sampler, SamplingParams, TokenLogprobs, argmax, logprobs};
 pub use scheduler::SchedulerConfig;

@@ -15,6 +15,12 @@ use fmoe_models::{CausalLm, ForwardInput, KvPool, ModelInfo, SeqStep, StepLogits
 
 use crate::{Error, Result};
 
+/// A step's logits on the host: f32 `[rows, vocab]`, and each sequence's (first row, rows).
+pub struct StepOutput {
+    pub logits: Vec<f32>,
+    pub spans: Vec<(usize, usize)>,
+}
+
 /// A model and its KV pool.
 pub struct ModelRunner {
     model: Arc<dyn CausalLm>,
@@ -25,7 +31,13 @@ impl ModelRunner {
     /// A pool of `num_blocks` blocks of `block_size` tokens on the model's device, in its dtype.
     pub fn new(model: Arc<dyn CausalLm>, num_blocks: usize, block_size: usize) -> Result<Self> {
         let info = model.info();
-        let pool = KvPool::new(&info.kv_layout, info.dtype, info.device, num_blocks, block_size)?;
+        let pool = KvPool::new(
+            &info.kv_layout,
+            info.dtype,
+            info.device,
+            num_blocks,
+            block_size,
+        )?;
         Ok(ModelRunner { model, pool })
     }
 
@@ -41,9 +53,9 @@ impl ModelRunner {
         &self.pool
     }
 
-    /// Runs one step; returns f32 logits `[rows, vocab]` on the host (rows in step order, each
-    /// sequence's as its [`StepLogits`] says) and each sequence's (first row, rows).
-    pub fn run(&mut self, seqs: &[SeqStep<'_>]) -> Result<(Vec<f32>, Vec<(usize, usize)>)> {
+    /// Runs one step; returns its logits on the host (rows in step order, each sequence's as its
+    /// [`StepLogits`] says).
+    pub fn run(&mut self, seqs: &[SeqStep<'_>]) -> Result<StepOutput> {
         let input = ForwardInput::new(
             self.model.info(),
             self.pool.block_size(),
@@ -52,7 +64,10 @@ impl ModelRunner {
         )?;
         let out = self.model.forward(&input, &mut self.pool)?;
         let logits: Tensor = out.into_host()?;
-        Ok((logits.to_f32_vec()?, input.logit_spans().to_vec()))
+        Ok(StepOutput {
+            logits: logits.to_f32_vec()?,
+            spans: input.logit_spans().to_vec(),
+        })
     }
 }
 
@@ -193,7 +208,7 @@ impl DirectSession {
                 logits,
             })
             .collect();
-        let (rows, _) = self.runner.run(&steps)?;
+        let rows = self.runner.run(&steps)?.logits;
         for c in chunks {
             if let Some(s) = self.seqs.get_mut(&c.seq) {
                 s.len += c.tokens.len();

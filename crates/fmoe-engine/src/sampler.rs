@@ -86,8 +86,8 @@ impl Sampler {
             return Ok(argmax(logits));
         }
         let w = Weight::new(max, self.params.temperature);
-        let filtered = (self.params.top_k > 0 && self.params.top_k < logits.len())
-            || self.params.top_p < 1.0;
+        let filtered =
+            (self.params.top_k > 0 && self.params.top_k < logits.len()) || self.params.top_p < 1.0;
         if !filtered {
             // Every token, in id order: no sorting, no allocation.
             let total: f64 = logits.iter().map(|&l| w.of(l) as f64).sum();

@@ -106,7 +106,8 @@ fn router_topk_matches_transformers() {
     for (i, prompt) in exp.prompt_ids.iter().enumerate() {
         let info = model.info();
         let blocks: Vec<u32> = (0..prompt.len().div_ceil(16) as u32).collect();
-        let mut pool = KvPool::new(&info.kv_layout, info.dtype, info.device, blocks.len(), 16).unwrap();
+        let mut pool =
+            KvPool::new(&info.kv_layout, info.dtype, info.device, blocks.len(), 16).unwrap();
         let step = SeqStep {
             tokens: prompt,
             past: 0,

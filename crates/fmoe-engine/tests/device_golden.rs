@@ -164,12 +164,7 @@ fn decode_and_batches(target: Target) {
             &format!("{name} "),
         );
         println!("{name}: incremental vs full pass, max |Δlogit| {worst:.2e}");
-        common::batched_equals_one_by_one(
-            &model,
-            &exp.prompt_ids[0],
-            &exp.prompt_ids[2],
-            6,
-        );
+        common::batched_equals_one_by_one(&model, &exp.prompt_ids[0], &exp.prompt_ids[2], 6);
     }
 }
 
@@ -302,14 +297,9 @@ fn a_pool_of_another_dtype_is_refused() {
         KernelFamily::Portable,
     );
     let info = model.info();
-    let mut pool = fmoe_models::KvPool::new(
-        &info.kv_layout,
-        fmoe_core::DType::F32,
-        info.device,
-        4,
-        16,
-    )
-    .unwrap();
+    let mut pool =
+        fmoe_models::KvPool::new(&info.kv_layout, fmoe_core::DType::F32, info.device, 4, 16)
+            .unwrap();
     let blocks = [0u32, 1];
     let step = fmoe_models::SeqStep {
         tokens: &exp.prompt_ids[0],

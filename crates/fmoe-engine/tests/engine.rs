@@ -111,7 +111,10 @@ fn arrivals_under_pressure(name: &str) {
             let (ids, reasons) = run_arrivals(&mut engine, &reqs, 7);
             let s = engine.stats();
             println!("{name} {scheme}/{family}: {s:?}");
-            assert!(s.preemptions > 0, "{scheme}/{family}: no preemption happened");
+            assert!(
+                s.preemptions > 0,
+                "{scheme}/{family}: no preemption happened"
+            );
             assert!(s.prefix_cache_hits > 0, "{scheme}/{family}: no prefix hit");
             assert_eq!(s.used_blocks, 0, "{scheme}/{family}: blocks left in use");
             assert!(s.peak_blocks <= num_blocks);
@@ -127,7 +130,10 @@ fn arrivals_under_pressure(name: &str) {
                 let want = solo
                     .entry(r.prompt.clone())
                     .or_insert_with(|| alone(&model, r));
-                assert_eq!(&ids[i], want, "{scheme}/{family} request {i}: batched vs alone");
+                assert_eq!(
+                    &ids[i], want,
+                    "{scheme}/{family} request {i}: batched vs alone"
+                );
                 if scheme == QuantScheme::Unquantized {
                     let p = i % exp.prompt_ids.len();
                     assert_eq!(ids[i], exp.greedy_ids[p], "request {i}: vs transformers");
@@ -176,7 +182,9 @@ fn seeded_samples_do_not_depend_on_the_batch() {
             ..RequestParams::default()
         },
     };
-    let reqs: Vec<Request> = (0..12).map(|i| sampled(i % 3, 100 + i as u64 % 4)).collect();
+    let reqs: Vec<Request> = (0..12)
+        .map(|i| sampled(i % 3, 100 + i as u64 % 4))
+        .collect();
     let mut e = Engine::new(model.clone(), None, config(12, 4, 4, 8)).unwrap();
     let (ids, _) = run_arrivals(&mut e, &reqs, 3);
     assert!(e.stats().preemptions > 0);
@@ -201,9 +209,10 @@ fn abort_frees_blocks_and_unfit_requests_are_refused() {
     assert!(e.abort(a));
     assert!(!e.abort(a));
     let out = e.step().unwrap();
-    assert!(out
-        .iter()
-        .any(|o| o.id == a && o.finish_reason == Some(FinishReason::Abort)));
+    assert!(
+        out.iter()
+            .any(|o| o.id == a && o.finish_reason == Some(FinishReason::Abort))
+    );
     assert!(e.abort(b));
     e.step().unwrap();
     assert_eq!(e.stats().used_blocks, 0);
@@ -213,10 +222,16 @@ fn abort_frees_blocks_and_unfit_requests_are_refused() {
         .add_request(greedy(&exp.prompt_ids[2], 10))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("33 tokens") && err.contains("holds 32"), "{err}");
+    assert!(
+        err.contains("33 tokens") && err.contains("holds 32"),
+        "{err}"
+    );
     let err = e.add_request(greedy(&[], 1)).unwrap_err().to_string();
     assert!(err.contains("no tokens"), "{err}");
-    let err = e.add_request(greedy(&[100_000], 1)).unwrap_err().to_string();
+    let err = e
+        .add_request(greedy(&[100_000], 1))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("token id 100000"), "{err}");
 }
 
@@ -239,7 +254,8 @@ fn ten_thousand_requests_leave_the_pool_empty_and_memory_flat() {
             while added < n && e.stats().waiting < 32 {
                 let len = rng.random_range(1..6);
                 let prompt: Vec<u32> = (0..len).map(|_| rng.random_range(1..500)).collect();
-                e.add_request(greedy(&prompt, rng.random_range(1..4))).unwrap();
+                e.add_request(greedy(&prompt, rng.random_range(1..4)))
+                    .unwrap();
                 added += 1;
             }
             for o in e.step().unwrap() {

@@ -43,12 +43,12 @@ use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::device::{self, DeviceCtx};
-use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
 use crate::input::{AttentionLayout, ForwardInput};
 use crate::kv_pool::KvPool;
+use crate::layers::moe::{MoeOptions, load_experts, load_single_expert, resolve_scheme};
 use crate::layers::{ExpertNames, Linear, MlaSpec, RopeStyle, Rotary};
 use crate::loader::Vb;
-use crate::model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
+use crate::model::{CausalLm, ForwardOutput, ModelInfo};
 use crate::{Error, Result};
 
 pub use crate::config::DeepseekV3Config as Config;
@@ -163,25 +163,15 @@ impl DeepseekV3ForCausalLM {
         let spec = MlaSpec::from_config(cfg).map_err(bad)?;
         let rotary = Rotary::new(&rope, cfg.qk_rope_head_dim, RopeStyle::Interleaved);
         let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten(), dtype);
-        let kv_layout = KvLayout {
-            num_layers: cfg.num_hidden_layers,
-            streams: spec.cache_streams(),
-        };
-        let model = device::deepseek_v3::Model::load(
-            cfg,
-            vb,
-            &quant,
-            rotary,
-            spec,
-            kv_layout.clone(),
-            ctx,
-            |vb| {
-                let (gate, fused, bias) = load_moe(cfg, vb, &quant, moe, device)?;
-                let gate = gate.dequantized(ctx.dtype)?.to_device(device)?;
-                Ok((gate, fused, bias))
-            },
-        )?;
-        let moe = model.moe_layers().next().map(|e| (e.scheme(), e.kernel().family));
+        let model = device::deepseek_v3::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
+            let (gate, fused, bias) = load_moe(cfg, vb, &quant, moe, device)?;
+            let gate = gate.dequantized(ctx.dtype)?.to_device(device)?;
+            Ok((gate, fused, bias))
+        })?;
+        let moe = model
+            .moe_layers()
+            .next()
+            .map(|e| (e.scheme(), e.kernel().family));
         Ok(DeepseekV3ForCausalLM {
             info: ModelInfo {
                 architecture: "DeepseekV3ForCausalLM",
@@ -189,7 +179,7 @@ impl DeepseekV3ForCausalLM {
                 max_position_embeddings: cfg.max_position_embeddings,
                 eos_token_ids: cfg.eos_token_ids(),
                 bos_token_id: cfg.bos_token_id,
-                kv_layout,
+                kv_layout: model.kv_layout().clone(),
                 device,
                 dtype: ctx.dtype,
                 attention_layout: AttentionLayout::Gathered,

@@ -93,7 +93,10 @@ impl ForwardInput {
             if s.tokens.is_empty() {
                 return Err(Error::input(OP, format!("sequence {i} has no new tokens")));
             }
-            let end = s.past.checked_add(s.tokens.len()).filter(|&e| e <= info.max_position_embeddings);
+            let end = s
+                .past
+                .checked_add(s.tokens.len())
+                .filter(|&e| e <= info.max_position_embeddings);
             let Some(end) = end else {
                 return Err(Error::input(
                     OP,
@@ -108,7 +111,10 @@ impl ForwardInput {
             if let Some(bad) = s.tokens.iter().find(|&&t| t as usize >= info.vocab_size) {
                 return Err(Error::input(
                     OP,
-                    format!("sequence {i}: token id {bad} is out of range for vocab_size {}", info.vocab_size),
+                    format!(
+                        "sequence {i}: token id {bad} is out of range for vocab_size {}",
+                        info.vocab_size
+                    ),
                 ));
             }
             let need = end.div_ceil(block_size);
@@ -121,13 +127,18 @@ impl ForwardInput {
                     ),
                 ));
             }
-            if let Some(bad) = s.block_table[..need].iter().find(|&&b| b as usize >= num_blocks) {
+            if let Some(bad) = s.block_table[..need]
+                .iter()
+                .find(|&&b| b as usize >= num_blocks)
+            {
                 return Err(Error::input(
                     OP,
                     format!("sequence {i}: block {bad} is outside the pool's {num_blocks} blocks"),
                 ));
             }
-            let slot = |p: usize| (s.block_table[p / block_size] as usize * block_size + p % block_size) as u32;
+            let slot = |p: usize| {
+                (s.block_table[p / block_size] as usize * block_size + p % block_size) as u32
+            };
             let q_start = tokens.len();
             tokens.extend_from_slice(s.tokens);
             positions.extend((s.past..end).map(|p| p as u32));
@@ -150,7 +161,9 @@ impl ForwardInput {
         let device: Device = info.device;
         let t = tokens.len();
         let attention = match info.attention_layout {
-            AttentionLayout::Gathered => plan_attention(t, gather.len(), &spans, &info.attention, device)?,
+            AttentionLayout::Gathered => {
+                plan_attention(t, gather.len(), &spans, &info.attention, device)?
+            }
         };
         let num_logits = logit_rows.len();
         Ok(ForwardInput {

@@ -6,8 +6,8 @@
 //! the step's slot mapping ([`crate::ForwardInput::slots`]), one launch per layer.
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_kernels::kv_cache::{self, KvSource};
 use fmoe_kernels::elementwise::RowIndex;
+use fmoe_kernels::kv_cache::{self, KvSource};
 
 use crate::model::KvLayout;
 use crate::{Error, Result};
@@ -37,10 +37,14 @@ impl KvPool {
         if num_blocks == 0 || block_size == 0 {
             return Err(Error::input(
                 OP,
-                format!("a pool needs at least one block of at least one token (num_blocks {num_blocks}, block_size {block_size})"),
+                format!(
+                    "a pool needs at least one block of at least one token (num_blocks {num_blocks}, block_size {block_size})"
+                ),
             ));
         }
-        let rows = num_blocks.checked_mul(block_size).filter(|&r| r <= u32::MAX as usize + 1);
+        let rows = num_blocks
+            .checked_mul(block_size)
+            .filter(|&r| r <= u32::MAX as usize + 1);
         let Some(rows) = rows else {
             return Err(Error::input(
                 OP,
@@ -49,7 +53,9 @@ impl KvPool {
         };
         Self::bytes_per_block(layout, dtype, block_size)?
             .checked_mul(num_blocks)
-            .ok_or_else(|| Error::input(OP, format!("{num_blocks} blocks overflow the pool's size")))?;
+            .ok_or_else(|| {
+                Error::input(OP, format!("{num_blocks} blocks overflow the pool's size"))
+            })?;
         let tensors = (0..layout.num_layers)
             .map(|_| {
                 layout
@@ -126,18 +132,29 @@ impl KvPool {
 
     /// Writes row `t` of each source (stream `i` takes `sources[i]`) to row `slots[t]` of layer
     /// `layer`'s tensors: one launch per two streams.
-    pub fn append(&mut self, layer: usize, sources: &[KvSource<'_>], slots: &RowIndex) -> Result<()> {
+    pub fn append(
+        &mut self,
+        layer: usize,
+        sources: &[KvSource<'_>],
+        slots: &RowIndex,
+    ) -> Result<()> {
         let streams = self.layout.streams.len();
         if sources.len() != streams {
             return Err(Error::input(
                 OP,
-                format!("{} sources for the {streams} streams of layer {layer}", sources.len()),
+                format!(
+                    "{} sources for the {streams} streams of layer {layer}",
+                    sources.len()
+                ),
             ));
         }
         let Some(tensors) = self.tensors.get_mut(layer) else {
             return Err(Error::input(
                 OP,
-                format!("layer {layer} out of range ({} layers)", self.layout.num_layers),
+                format!(
+                    "layer {layer} out of range ({} layers)",
+                    self.layout.num_layers
+                ),
             ));
         };
         for (dst, src) in tensors

@@ -48,11 +48,11 @@ use fmoe_core::{DType, Device};
 pub use config::{DeepseekV3Config, MixtralConfig, ModelConfig, QuantizationConfig};
 pub use deepseek_v3::DeepseekV3ForCausalLM;
 pub use error::{Error, Result};
+pub use input::{AttentionLayout, ForwardInput, SeqStep, StepLogits};
+pub use kv_pool::KvPool;
 pub use layers::moe::MoeOptions;
 pub use loader::{Checkpoint, DummyWeights, Vb, WeightSource};
 pub use mixtral::MixtralForCausalLM;
-pub use input::{AttentionLayout, ForwardInput, SeqStep, StepLogits};
-pub use kv_pool::KvPool;
 pub use model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
 pub use tokenizer::Tokenizer;
 

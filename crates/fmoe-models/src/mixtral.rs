@@ -29,12 +29,12 @@ use fmoe_moe::{FusedMoe, MoeConfig, Routing};
 
 use crate::config::QuantizationConfig;
 use crate::device::{self, DeviceCtx};
-use crate::layers::moe::{MoeOptions, load_expert_act_scales, load_experts, resolve_scheme};
 use crate::input::{AttentionLayout, ForwardInput};
 use crate::kv_pool::KvPool;
+use crate::layers::moe::{MoeOptions, load_expert_act_scales, load_experts, resolve_scheme};
 use crate::layers::{AttentionSpec, ExpertNames, RopeStyle, Rotary};
 use crate::loader::Vb;
-use crate::model::{CausalLm, ForwardOutput, KvLayout, ModelInfo};
+use crate::model::{CausalLm, ForwardOutput, ModelInfo};
 use crate::{Error, Result};
 
 pub use crate::config::MixtralConfig as Config;
@@ -120,21 +120,13 @@ impl MixtralForCausalLM {
         let spec = attention_spec(cfg);
         let rotary = Rotary::new(&rope, cfg.head_dim(), RopeStyle::HalfSplit);
         let ctx = DeviceCtx::new(device, cfg.dtype().ok().flatten(), dtype);
-        let kv_layout = KvLayout {
-            num_layers: cfg.num_hidden_layers,
-            streams: vec![spec.num_kv_heads * spec.head_dim; 2],
-        };
-        let model = device::mixtral::Model::load(
-            cfg,
-            vb,
-            &quant,
-            rotary,
-            spec,
-            kv_layout.clone(),
-            ctx,
-            |vb| load_moe(cfg, vb, &quant, moe, device),
-        )?;
-        let moe = model.moe_layers().next().map(|e| (e.scheme(), e.kernel().family));
+        let model = device::mixtral::Model::load(cfg, vb, &quant, rotary, spec, ctx, |vb| {
+            load_moe(cfg, vb, &quant, moe, device)
+        })?;
+        let moe = model
+            .moe_layers()
+            .next()
+            .map(|e| (e.scheme(), e.kernel().family));
         Ok(MixtralForCausalLM {
             info: ModelInfo {
                 architecture: "MixtralForCausalLM",
@@ -142,7 +134,7 @@ impl MixtralForCausalLM {
                 max_position_embeddings: cfg.max_position_embeddings,
                 eos_token_ids: cfg.eos_token_ids(),
                 bos_token_id: cfg.bos_token_id,
-                kv_layout,
+                kv_layout: model.kv_layout().clone(),
                 device,
                 dtype: ctx.dtype,
                 attention_layout: AttentionLayout::Gathered,

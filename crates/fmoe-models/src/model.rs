@@ -9,9 +9,9 @@ use fmoe_core::{DType, Device, Tensor};
 use fmoe_kernels::attention::AttentionParams;
 use fmoe_kernels::quant_fp8::FiniteCheck;
 
+use crate::Result;
 use crate::input::{AttentionLayout, ForwardInput};
 use crate::kv_pool::KvPool;
-use crate::Result;
 
 /// What a model caches per token and layer: `streams[i]` values in stream `i`.
 #[derive(Clone, Debug, PartialEq, Eq)]

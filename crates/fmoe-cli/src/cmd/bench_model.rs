@@ -28,9 +28,7 @@ use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
 use fmoe_core::env::FusedSwitches;
 use fmoe_core::{DType, Device};
 use fmoe_engine::{DirectSession, LogitsFor, SeqChunk, argmax};
-use fmoe_models::{
-    CausalLm, LoadFormat, LoadOptions, ModelConfig, MoeOptions, load,
-};
+use fmoe_models::{CausalLm, LoadFormat, LoadOptions, ModelConfig, MoeOptions, load};
 use fmoe_moe::QuantScheme;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -118,7 +118,13 @@ fn top_p_keeps_the_nucleus_and_seeds_reproduce() {
 
 #[test]
 fn bad_parameters_are_rejected() {
-    for (t, p) in [(-1.0, 1.0), (f32::NAN, 1.0), (INF, 1.0), (1.0, 0.0), (1.0, 1.5)] {
+    for (t, p) in [
+        (-1.0, 1.0),
+        (f32::NAN, 1.0),
+        (INF, 1.0),
+        (1.0, 0.0),
+        (1.0, 1.5),
+    ] {
         let err = Sampler::new(params(t, 3, p), 0).err().unwrap().to_string();
         let field = if t == 1.0 { "top_p" } else { "temperature" };
         assert!(err.contains(field), "{t} {p}: {err}");
@@ -176,7 +182,10 @@ fn top_k_keeps_the_k_best_ties_by_id() {
     l[1] = 3f32.ln();
     assert_eq!(counts(params(1.0, 2, 0.55), &l, 300)[0], 300);
     let c = counts(params(1.0, 0, 0.55), &l, 1000);
-    assert!(c[0] > 0 && c[1] > 0 && c[2..].iter().all(|&n| n == 0), "{c:?}");
+    assert!(
+        c[0] > 0 && c[1] > 0 && c[2..].iter().all(|&n| n == 0),
+        "{c:?}"
+    );
 }
 
 #[test]
@@ -188,7 +197,9 @@ fn the_draw_never_picks_a_weightless_token() {
 
 #[test]
 fn sampled_frequencies_follow_the_reference_distribution() {
-    let logits: Vec<f32> = (0..40).map(|i| ((i * 37 % 17) as f32) * 0.3 - 2.0).collect();
+    let logits: Vec<f32> = (0..40)
+        .map(|i| ((i * 37 % 17) as f32) * 0.3 - 2.0)
+        .collect();
     let n = 40_000;
     for p in [
         params(1.0, 0, 1.0),
@@ -202,7 +213,10 @@ fn sampled_frequencies_follow_the_reference_distribution() {
         for (i, (&got, &q)) in c.iter().zip(&want).enumerate() {
             let f = got as f64 / n as f64;
             let sigma = (q * (1.0 - q) / n as f64).sqrt();
-            assert!((f - q).abs() <= 5.0 * sigma + 1e-4, "{p:?} token {i}: {f} vs {q}");
+            assert!(
+                (f - q).abs() <= 5.0 * sigma + 1e-4,
+                "{p:?} token {i}: {f} vs {q}"
+            );
             if q == 0.0 {
                 assert_eq!(got, 0);
             }
@@ -253,7 +267,10 @@ fn kept_sets_match_a_full_sort() {
 /// log-softmax by the definition, in f64, for logits small enough not to need the max shift.
 fn reference_logprobs(logits: &[f32]) -> Vec<f64> {
     let sum: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
-    logits.iter().map(|&l| ((l as f64).exp() / sum).ln()).collect()
+    logits
+        .iter()
+        .map(|&l| ((l as f64).exp() / sum).ln())
+        .collect()
 }
 
 #[test]

@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use fmoe_core::{DType, Device};
 use fmoe_core::env::FusedSwitches;
+use fmoe_core::{DType, Device};
 use fmoe_engine::{
     DirectSession, Engine, EngineArgs, GenerateParams, Generation, LogitsFor, SamplingParams,
     SeqChunk, generate,
@@ -263,8 +263,7 @@ pub fn every_method_and_kernel_matches_transformers(
                     .collect();
                 let exempt =
                     flips.map_or_else(|| vec![false; full.len()], |f| f(scheme, family, &full));
-                let (agree, required, bad) =
-                    teacher_forced(&model, exp, i, 2.0 * worst, &exempt);
+                let (agree, required, bad) = teacher_forced(&model, exp, i, 2.0 * worst, &exempt);
                 let flipped: Vec<usize> = (0..exp.greedy_ids[i].len())
                     .filter(|&st| exempt[exp.prompt_ids[i].len() - 1 + st])
                     .collect();

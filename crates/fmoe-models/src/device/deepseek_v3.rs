@@ -26,15 +26,15 @@ use fmoe_moe::FusedMoe;
 use super::{
     Checks, DeviceCtx, DeviceMoe, Ends, Norm, Residual, RopeTensors, concat_rows, load_dense,
 };
+use crate::Error;
 use crate::Result;
 use crate::config::{DeepseekV3Config, QuantizationConfig};
+use crate::input::ForwardInput;
+use crate::kv_pool::KvPool;
 use crate::layers::mla::MLA_NORM_EPS;
 use crate::layers::{MlaSpec, Rotary};
 use crate::loader::Vb;
-use crate::input::ForwardInput;
-use crate::kv_pool::KvPool;
 use crate::model::{ForwardOutput, KvLayout};
-use crate::Error;
 
 enum QProj {
     Lora { a: Tensor, norm: Norm, b: Tensor },
@@ -94,8 +94,13 @@ impl Mla {
             },
             None => QProj::Plain(load_dense(&vb.pp("q_proj"), q_out, h, quant, ctx)?),
         };
-        let kv_a_proj_with_mqa =
-            load_dense(&vb.pp("kv_a_proj_with_mqa"), r + s.qk_rope_head_dim, h, quant, ctx)?;
+        let kv_a_proj_with_mqa = load_dense(
+            &vb.pp("kv_a_proj_with_mqa"),
+            r + s.qk_rope_head_dim,
+            h,
+            quant,
+            ctx,
+        )?;
         let kv_a_layernorm = Norm::load(&vb.pp("kv_a_layernorm"), r, MLA_NORM_EPS, ctx)?;
         // kv_b rows are per head [nope | v]: gather each half's rows into its own weight.
         let kv_b = load_dense(&vb.pp("kv_b_proj"), nh * (dn + dv), r, quant, ctx)?;
@@ -125,7 +130,6 @@ impl Model {
         quant: &QuantizationConfig,
         rotary: Rotary,
         spec: MlaSpec,
-        layout: KvLayout,
         ctx: DeviceCtx,
         moe: impl Fn(&Vb) -> Result<MoeParts>,
     ) -> Result<Model> {
@@ -171,9 +175,17 @@ impl Model {
             layers,
             rope: RopeTensors::new(&rotary, cfg.max_position_embeddings, ctx.device)?,
             spec,
-            layout,
+            layout: KvLayout {
+                num_layers: cfg.num_hidden_layers,
+                streams: spec.cache_streams(),
+            },
             ctx,
         })
+    }
+
+    /// What the model caches per token and layer.
+    pub fn kv_layout(&self) -> &KvLayout {
+        &self.layout
     }
 
     pub fn ctx(&self) -> DeviceCtx {

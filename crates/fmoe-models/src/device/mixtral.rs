@@ -18,10 +18,10 @@ use super::{
 };
 use crate::Result;
 use crate::config::{MixtralConfig, QuantizationConfig};
-use crate::layers::{AttentionSpec, Rotary};
-use crate::loader::Vb;
 use crate::input::ForwardInput;
 use crate::kv_pool::KvPool;
+use crate::layers::{AttentionSpec, Rotary};
+use crate::loader::Vb;
 use crate::model::{ForwardOutput, KvLayout};
 
 struct Layer {
@@ -52,7 +52,6 @@ impl Model {
         quant: &QuantizationConfig,
         rotary: Rotary,
         spec: AttentionSpec,
-        layout: KvLayout,
         ctx: DeviceCtx,
         moe: impl Fn(&Vb) -> Result<FusedMoe>,
     ) -> Result<Model> {
@@ -102,9 +101,17 @@ impl Model {
             layers,
             rope: RopeTensors::new(&rotary, cfg.max_position_embeddings, ctx.device)?,
             spec,
-            layout,
+            layout: KvLayout {
+                num_layers: cfg.num_hidden_layers,
+                streams: vec![spec.num_kv_heads * spec.head_dim; 2],
+            },
             ctx,
         })
+    }
+
+    /// What the model caches per token and layer.
+    pub fn kv_layout(&self) -> &KvLayout {
+        &self.layout
     }
 
     pub fn ctx(&self) -> DeviceCtx {
@@ -136,7 +143,16 @@ impl Model {
         let dtype = self.ctx.dtype;
         let (cos, sin) = self.rope.rows(&input.positions)?;
         let rotate = |x: &Tensor, heads: usize| -> Result<Tensor> {
-            Ok(apply_rotary(x, heads, d, 0, d, &cos, &sin, RotaryStyle::HalfSplit)?)
+            Ok(apply_rotary(
+                x,
+                heads,
+                d,
+                0,
+                d,
+                &cos,
+                &sin,
+                RotaryStyle::HalfSplit,
+            )?)
         };
         let mut checks = Checks::default();
         let mut res = Residual::new(self.ends.embed(input)?);

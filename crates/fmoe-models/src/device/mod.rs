@@ -32,12 +32,12 @@ use fmoe_kernels::quant_fp8::FiniteCheck;
 use fmoe_kernels::routing::TopK;
 use fmoe_moe::FusedMoe;
 
+use crate::Result;
 use crate::config::QuantizationConfig;
+use crate::input::ForwardInput;
 use crate::layers::Linear;
 use crate::loader::Vb;
-use crate::input::ForwardInput;
 use crate::model::ForwardOutput;
-use crate::Result;
 
 /// Where the device path runs and in which dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,7 +156,11 @@ pub(crate) struct RopeTensors {
 }
 
 impl RopeTensors {
-    pub(crate) fn new(rotary: &crate::layers::Rotary, max_positions: usize, device: Device) -> Result<RopeTensors> {
+    pub(crate) fn new(
+        rotary: &crate::layers::Rotary,
+        max_positions: usize,
+        device: Device,
+    ) -> Result<RopeTensors> {
         let positions: Vec<usize> = (0..max_positions).collect();
         let table = rotary.table(&positions);
         let dims = [max_positions, table.half()];
@@ -227,7 +231,12 @@ impl Ends {
 
     /// f32 logits `[rows, vocab]` on the device for the rows the input asks for: those rows of the
     /// stream are picked first, so the final norm and lm_head see only them.
-    pub(crate) fn logits(&self, res: Residual, input: &ForwardInput, checks: Checks) -> Result<ForwardOutput> {
+    pub(crate) fn logits(
+        &self,
+        res: Residual,
+        input: &ForwardInput,
+        checks: Checks,
+    ) -> Result<ForwardOutput> {
         let rows = input.num_logits();
         let logits = if rows == 0 {
             Tensor::zeros([0, self.vocab], DType::F32, &self.embed.device())?

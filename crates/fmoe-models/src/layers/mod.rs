@@ -15,6 +15,6 @@ pub mod rotary;
 
 pub use attention::AttentionSpec;
 pub use linear::{Embedding, Linear, WeightScale};
-pub use mla::{MlaSpec, MLA_NORM_EPS};
+pub use mla::{MLA_NORM_EPS, MlaSpec};
 pub use moe::ExpertNames;
 pub use rotary::{RopeStyle, RopeTable, Rotary};

@@ -6,8 +6,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use fmoe_core::{DType, Device, Tensor};
-use fmoe_models::{ForwardInput, KvPool, SeqStep, StepLogits};
 use fmoe_models::{CausalLm, LoadOptions, MoeOptions, Result, load};
+use fmoe_models::{ForwardInput, KvPool, SeqStep, StepLogits};
 use fmoe_moe::QuantScheme;
 use safetensors::tensor::{Dtype, View};
 use tempfile::TempDir;
