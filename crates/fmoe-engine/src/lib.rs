@@ -4,8 +4,8 @@
 //!   sequence, per layer, contiguous growth (the CPU path). [`SlabKvCache`] is the device cache:
 //!   per layer and stream one preallocated slab in the model's dtype, a contiguous slot range per
 //!   sequence. [`ModelKvCache`] is whichever the model's `kv_storage` asks for.
-//! - [`Sampler`] picks tokens: greedy, or temperature + top-p from a seeded RNG
-//!   ([`SamplingParams`]).
+//! - [`Sampler`] picks tokens: greedy, or temperature, top-k and top-p from a seeded RNG
+//!   ([`SamplingParams`]); [`logprobs`] gives what an API reports of a token's probability.
 //! - [`generate`] runs prefill (all prompts in one pass) then decode (one token per live
 //!   sequence per pass) until max tokens, an EOS id or a stop string ([`GenerateParams`]), and
 //!   returns per-prompt [`Output`]s with [`Stats`].
@@ -32,5 +32,5 @@ pub use detokenize::{IncrementalDecoder, StopMatcher};
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenerateParams, Generation, Output, Stats, generate};
 pub use kv_cache::{ContiguousKvCache, ModelKvCache};
-pub use sampler::{Sampler, SamplingParams, argmax};
+pub use sampler::{Sampler, SamplingParams, TokenLogprobs, argmax, logprobs};
 pub use slab_cache::SlabKvCache;

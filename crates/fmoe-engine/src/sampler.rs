@@ -1,4 +1,11 @@
-//! Next-token choice: greedy (temperature 0), or temperature + top-p sampling from a seeded RNG.
+//! Next-token choice: greedy (temperature 0), or temperature, then top-k, then top-p (vLLM's
+//! order) sampling from a seeded RNG; and the log-probabilities an API reports.
+//!
+//! Infinite logits: a `-inf` token is never chosen; `+inf` tokens take all the probability,
+//! shared evenly when there are several (top-k among them keeps the lowest ids; greedy takes the
+//! lowest id). A row of only `-inf` logits, or a NaN logit, is an error.
+
+use std::cmp::Ordering;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -12,6 +19,8 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Nucleus: keep the most probable tokens whose mass first reaches `top_p` (1 → all).
     pub top_p: f32,
+    /// Keep the `top_k` most probable tokens, ties to the lower id (0 → all).
+    pub top_k: usize,
     pub seed: u64,
 }
 
@@ -20,12 +29,15 @@ impl Default for SamplingParams {
         SamplingParams {
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
             seed: 0,
         }
     }
 }
 
 impl SamplingParams {
+    /// Temperature finite and >= 0, top_p in (0, 1]; every top_k is valid (0 and values of at
+    /// least the vocabulary keep every token).
     pub fn validate(&self) -> Result<()> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
             return Err(Error::Request(format!(
@@ -62,50 +74,144 @@ impl Sampler {
         Ok(Sampler { params, rng })
     }
 
-    /// The next token from `logits` \[vocab\]. A NaN logit is an error.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The next token from `logits` \[vocab\] (see the module docs for infinities; NaN, an empty
+    /// row or a row of only `-inf` is an error).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
-        if logits.is_empty() {
-            return Err(Error::Request("no logits to sample from".into()));
-        }
-        if let Some(i) = logits.iter().position(|v| v.is_nan()) {
-            return Err(Error::Request(format!("logit {i} is NaN")));
-        }
+        let max = check_logits("sample", logits)?;
         if self.params.is_greedy() {
             return Ok(argmax(logits));
         }
-        let t = self.params.temperature;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut probs: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, ((l - max) / t).exp()))
-            .collect();
-        let total: f32 = probs.iter().map(|p| p.1).sum();
-        probs.iter_mut().for_each(|p| p.1 /= total);
-        // Most probable first; ties by id so the order is deterministic.
-        probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let mut keep = probs.len();
-        if self.params.top_p < 1.0 {
-            let mut cum = 0f32;
-            for (i, p) in probs.iter().enumerate() {
-                cum += p.1;
-                if cum >= self.params.top_p {
-                    keep = i + 1;
-                    break;
-                }
-            }
+        let w = Weight::new(max, self.params.temperature);
+        let filtered =
+            (self.params.top_k > 0 && self.params.top_k < logits.len()) || self.params.top_p < 1.0;
+        if !filtered {
+            // Every token, in id order: no sorting, no allocation.
+            let total: f64 = logits.iter().map(|&l| w.of(l) as f64).sum();
+            let u = self.rng.random::<f64>() * total;
+            return Ok(draw(
+                logits.iter().enumerate().map(|(i, &l)| (i as u32, w.of(l))),
+                u,
+            ));
         }
-        let kept = &probs[..keep];
-        let mass: f32 = kept.iter().map(|p| p.1).sum();
-        let mut u = self.rng.random::<f32>() * mass;
-        for p in kept {
-            if u < p.1 {
-                return Ok(p.0);
-            }
-            u -= p.1;
-        }
-        Ok(kept[kept.len() - 1].0)
+        let kept = kept(logits, &self.params, &w);
+        let total: f64 = kept.iter().map(|&(_, l)| w.of(l) as f64).sum();
+        let u = self.rng.random::<f64>() * total;
+        Ok(draw(kept.iter().map(|&(i, l)| (i, w.of(l))), u))
     }
+}
+
+/// Unnormalized probability of a logit at a temperature: `exp((l - max) / t)`, or 1 for `+inf`
+/// logits (0 for the rest) when the maximum is `+inf`. Never NaN.
+struct Weight {
+    max: f32,
+    t: f32,
+}
+
+impl Weight {
+    fn new(max: f32, t: f32) -> Weight {
+        Weight { max, t }
+    }
+
+    fn of(&self, l: f32) -> f32 {
+        if self.max == f32::INFINITY {
+            if l == f32::INFINITY { 1.0 } else { 0.0 }
+        } else {
+            // l - max <= 0 (or -inf); an overflow to -inf gives 0.
+            ((l - self.max) / self.t).exp()
+        }
+    }
+}
+
+/// Most likely first: larger logit, then lower id (-0 and 0 are one value).
+fn by_rank(a: &(u32, f32), b: &(u32, f32)) -> Ordering {
+    b.1.partial_cmp(&a.1)
+        .unwrap_or(Ordering::Equal)
+        .then(a.0.cmp(&b.0))
+}
+
+/// The tokens top-k and then top-p keep, as (id, logit) in id order; none of weight 0.
+fn kept(logits: &[f32], p: &SamplingParams, w: &Weight) -> Vec<(u32, f32)> {
+    let mut c: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|&(_, &l)| w.of(l) > 0.0)
+        .map(|(i, &l)| (i as u32, l))
+        .collect();
+    if p.top_k > 0 && p.top_k < c.len() {
+        c.select_nth_unstable_by(p.top_k - 1, by_rank);
+        c.truncate(p.top_k);
+    }
+    if p.top_p < 1.0 {
+        let keep = nucleus(&mut c, p.top_p as f64, w);
+        c.truncate(keep);
+    }
+    c.sort_unstable_by_key(|x| x.0);
+    c
+}
+
+/// Orders the most likely tokens of `c` first until their mass reaches `top_p` of the whole,
+/// and returns how many that is. Sorts in growing chunks (a partial selection, then a sort of
+/// the chunk), so a small nucleus costs O(len), not a sort of everything.
+fn nucleus(c: &mut [(u32, f32)], top_p: f64, w: &Weight) -> usize {
+    let total: f64 = c.iter().map(|&(_, l)| w.of(l) as f64).sum();
+    let target = top_p * total;
+    let (mut cum, mut done, mut chunk) = (0f64, 0usize, 64usize);
+    while done < c.len() {
+        let end = done.saturating_add(chunk).min(c.len());
+        if end < c.len() {
+            c[done..].select_nth_unstable_by(end - done - 1, by_rank);
+        }
+        c[done..end].sort_unstable_by(by_rank);
+        for (i, &(_, l)) in c[done..end].iter().enumerate() {
+            cum += w.of(l) as f64;
+            if cum >= target {
+                return done + i + 1;
+            }
+        }
+        done = end;
+        chunk = chunk.saturating_mul(2);
+    }
+    c.len()
+}
+
+/// The token whose share of the cumulative weights holds `u`; rounding past the end gives the
+/// last token of nonzero weight (a weight-0 token is never chosen).
+fn draw(tokens: impl Iterator<Item = (u32, f32)>, mut u: f64) -> u32 {
+    let mut last = 0;
+    for (id, p) in tokens {
+        if p <= 0.0 {
+            continue;
+        }
+        let p = p as f64;
+        if u < p {
+            return id;
+        }
+        u -= p;
+        last = id;
+    }
+    last
+}
+
+/// The largest logit, after checking the row: not empty, no NaN, not all `-inf`.
+fn check_logits(op: &str, logits: &[f32]) -> Result<f32> {
+    if logits.is_empty() {
+        return Err(Error::Request(format!("{op}: no logits")));
+    }
+    if let Some(i) = logits.iter().position(|v| v.is_nan()) {
+        return Err(Error::Request(format!("{op}: logit {i} is NaN")));
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if max == f32::NEG_INFINITY {
+        return Err(Error::Request(format!(
+            "{op}: all {} logits are -inf",
+            logits.len()
+        )));
+    }
+    Ok(max)
 }
 
 /// Index of the largest value; the lowest index among equals.
@@ -119,54 +225,83 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// A token's log-probability and the most likely alternatives, as OpenAI and vLLM report them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `top_n` most likely tokens, most likely first, ties by id.
+    pub top: Vec<(u32, f32)>,
+}
 
-    #[test]
-    fn greedy_is_argmax_with_first_index_on_ties() {
-        let mut s = Sampler::new(SamplingParams::default(), 0).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]).unwrap(), 1);
-        assert!(s.sample(&[0.0, f32::NAN]).is_err());
+/// Log-softmax of the raw logits (before temperature; f64 sums of max-subtracted exponentials):
+/// `token`'s log-probability and the `top_n` most likely tokens (all of them if fewer). A `-inf`
+/// logit has log-probability `-inf`; with `+inf` logits each of them has `-ln(count)` and the
+/// rest `-inf`. Errors: an empty row, a NaN, only `-inf`, `token` out of range.
+pub fn logprobs(logits: &[f32], token: u32, top_n: usize) -> Result<TokenLogprobs> {
+    let max = check_logits("logprobs", logits)?;
+    if token as usize >= logits.len() {
+        return Err(Error::Request(format!(
+            "logprobs: token {token} is out of range for {} logits",
+            logits.len()
+        )));
     }
-
-    #[test]
-    fn top_p_keeps_the_nucleus_and_seeds_reproduce() {
-        let params = SamplingParams {
-            temperature: 1.0,
-            top_p: 0.5,
-            seed: 7,
-        };
-        // Token 2 alone holds > 50%: top-p 0.5 always picks it.
-        let logits = [0.0, 1.0, 3.0, 0.5];
-        let mut s = Sampler::new(params, 0).unwrap();
-        assert!((0..50).all(|_| s.sample(&logits).unwrap() == 2));
-        // Full sampling visits several tokens, and the same seed repeats the sequence.
-        let p = SamplingParams {
-            top_p: 1.0,
-            ..params
-        };
-        let draw = |stream| {
-            let mut s = Sampler::new(p, stream).unwrap();
-            (0..64)
-                .map(|_| s.sample(&logits).unwrap())
-                .collect::<Vec<_>>()
-        };
-        let a = draw(0);
-        assert_eq!(a, draw(0));
-        assert_ne!(a, draw(1));
-        assert!(a.iter().any(|&t| t != 2));
+    let lp = LogSoftmax::new(logits, max);
+    let n = top_n.min(logits.len());
+    let mut top = Vec::new();
+    if n > 0 {
+        let mut all: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
+        if n < all.len() {
+            all.select_nth_unstable_by(n - 1, by_rank);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(by_rank);
+        top = all.into_iter().map(|(i, l)| (i, lp.of(l))).collect();
     }
+    Ok(TokenLogprobs {
+        token,
+        logprob: lp.of(logits[token as usize]),
+        top,
+    })
+}
 
-    #[test]
-    fn bad_parameters_are_rejected() {
-        for (t, p) in [(-1.0, 1.0), (f32::NAN, 1.0), (1.0, 0.0), (1.0, 1.5)] {
-            let params = SamplingParams {
-                temperature: t,
-                top_p: p,
-                seed: 0,
+/// Log-softmax of one row, given its maximum.
+struct LogSoftmax {
+    /// `-ln(count of +inf logits)` when the maximum is `+inf`.
+    inf_each: Option<f32>,
+    /// Log-sum-exp of the row otherwise.
+    lse: f64,
+}
+
+impl LogSoftmax {
+    fn new(logits: &[f32], max: f32) -> LogSoftmax {
+        if max == f32::INFINITY {
+            let n = logits.iter().filter(|&&l| l == f32::INFINITY).count();
+            return LogSoftmax {
+                inf_each: Some(-(n as f64).ln() as f32),
+                lse: 0.0,
             };
-            assert!(Sampler::new(params, 0).is_err(), "{t} {p}");
+        }
+        let max = max as f64;
+        let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+        LogSoftmax {
+            inf_each: None,
+            lse: max + sum.ln(),
+        }
+    }
+
+    fn of(&self, l: f32) -> f32 {
+        match self.inf_each {
+            Some(each) if l == f32::INFINITY => each,
+            Some(_) => f32::NEG_INFINITY,
+            None => (l as f64 - self.lse) as f32,
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -38,6 +38,9 @@ pub struct Args {
     /// Nucleus sampling: keep the most probable tokens up to this mass.
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Top-k sampling: keep the k most probable tokens (0 keeps all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// Seed of the sampler (each prompt gets its own stream).
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -175,6 +178,7 @@ pub fn run(args: Args) -> Result<()> {
         sampling: SamplingParams {
             temperature: args.temperature,
             top_p: args.top_p,
+            top_k: args.top_k,
             seed: args.seed,
         },
         stop: args.stop.clone(),
