@@ -6,6 +6,10 @@
 //!   sequence. [`ModelKvCache`] is whichever the model's `kv_storage` asks for.
 //! - [`Sampler`] picks tokens: greedy, or temperature, top-k and top-p from a seeded RNG
 //!   ([`SamplingParams`]); [`logprobs`] gives what an API reports of a token's probability.
+//! - [`BlockManager`] hands out the blocks of a paged KV pool to sequences ([`SeqBlocks`]), with
+//!   prefix caching: full blocks already computed for the same token prefix are shared.
+//! - [`IncrementalDecoder`] turns generated ids into text deltas, one token at a time;
+//!   [`StopMatcher`] finds stop strings in those deltas.
 //! - [`generate`] runs prefill (all prompts in one pass) then decode (one token per live
 //!   sequence per pass) until max tokens, an EOS id or a stop string ([`GenerateParams`]), and
 //!   returns per-prompt [`Output`]s with [`Stats`].
