@@ -446,9 +446,12 @@ impl Engine {
             let mut text = text;
             if reason.is_some() {
                 s.timings.finished = Some(Instant::now());
-                if let Some((_, stop)) = &mut s.decoder
+                if let (Some(tok), Some((dec, stop))) = (self.tokenizer.as_ref(), &mut s.decoder)
                     && !matches!(reason, Some(FinishReason::Stop(_)))
                 {
+                    // A trailing incomplete character, then whatever the stop matcher held.
+                    let (released, _) = stop.push(&dec.flush(tok).unwrap_or_default());
+                    text.push_str(&released);
                     text.push_str(&stop.flush());
                 }
             }

@@ -226,26 +226,31 @@ fn sampled_frequencies_follow_the_reference_distribution() {
 
 #[test]
 fn kept_sets_match_a_full_sort() {
-    // Logits from a small grid, so ties (and ties at the cuts) are common, with some infinities.
+    // Logits from a small grid, so ties (and ties at the cuts) are common, with some -inf; in
+    // some cases a few +inf.
     let logit = prop_oneof![
         20 => (-16i32..16).prop_map(|v| v as f32 * 0.5),
         2 => Just(f32::NEG_INFINITY),
-        1 => Just(INF),
     ];
     let strategy = (
-        prop::collection::vec(logit, 1..300),
+        prop::collection::vec(logit, 1..500),
+        prop_oneof![7 => Just(Vec::new()), 1 => prop::collection::vec(any::<prop::sample::Index>(), 1..3)],
         prop_oneof![Just(0.05f32), Just(0.5), Just(1.0), Just(3.0)],
-        0usize..8,
-        prop_oneof![Just(1.0f32), 0.01f32..1.0],
+        prop_oneof![Just(0usize), 1usize..8, 50usize..400],
+        prop_oneof![Just(1.0f32), 0.01f32..1.0, 0.9f32..1.0],
     );
-    let (checked, close) = (Cell::new(0usize), Cell::new(0usize));
+    let (checked, close, deep) = (Cell::new(0usize), Cell::new(0usize), Cell::new(0usize));
     let mut runner = TestRunner::new(Config {
         cases: 512,
         failure_persistence: None,
         ..Config::default()
     });
     runner
-        .run(&strategy, |(logits, t, k, top_p)| {
+        .run(&strategy, |(mut logits, infs, t, k, top_p)| {
+            for i in infs {
+                let n = logits.len();
+                logits[i.index(n)] = INF;
+            }
             prop_assume!(logits.iter().any(|&l| l > f32::NEG_INFINITY));
             let p = params(t, k, top_p);
             let (want, ambiguous) = reference(&logits, &p);
@@ -258,10 +263,15 @@ fn kept_sets_match_a_full_sort() {
                 prop_assert!((a - b).abs() <= 1e-5, "token {}: {} vs {}", i, a, b);
             }
             checked.set(checked.get() + 1);
+            // A nucleus past the first sorted chunk of 64.
+            if top_p < 1.0 && want.iter().filter(|&&q| q > 0.0).count() > 64 {
+                deep.set(deep.get() + 1);
+            }
             Ok(())
         })
         .unwrap();
     assert!(checked.get() > 10 * close.get(), "{checked:?} / {close:?}");
+    assert!(deep.get() > 20, "{} nuclei past one chunk", deep.get());
 }
 
 /// log-softmax by the definition, in f64, for logits small enough not to need the max shift.
