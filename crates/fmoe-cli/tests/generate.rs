@@ -285,3 +285,125 @@ fn deepseek_dummy_weights_with_fewer_layers() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Every fixture prompt four times, through a pool of a few 4-token blocks, 4 sequences at once
+/// and a budget of 8 tokens a step: the greedy ids are still transformers', prompt by prompt,
+/// and the engine line shows that preemption and prefix hits happened.
+#[test]
+fn engine_flags_under_pressure_keep_the_greedy_ids() {
+    for dir in [fixture(), deepseek_fixture()] {
+        let exp = expected_in(&dir);
+        let prompts: Vec<String> = (0..12)
+            .map(|i| ids_arg(&exp["prompt_ids"][i % 3]))
+            .collect();
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+            "--num-kv-blocks",
+            "14",
+            "--block-size",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "8",
+        ];
+        for p in &prompts {
+            args.extend(["--prompt-ids", p.as_str()]);
+        }
+        let j = last_json(&fmoe(&args, &[]));
+        for i in 0..12 {
+            assert_eq!(
+                j["outputs"][i]["token_ids"],
+                exp["greedy_ids"][i % 3],
+                "{}: prompt {i}: {j}",
+                dir.display()
+            );
+        }
+        let e = &j["engine"];
+        assert!(e["preemptions"].as_u64().unwrap() > 0, "{e}");
+        assert!(e["prefix_cache_hits"].as_u64().unwrap() > 0, "{e}");
+        assert!(e["peak_blocks"].as_u64().unwrap() <= 14, "{e}");
+        assert!(
+            e["prefix_cache_queries"].as_u64().unwrap() >= e["prefix_cache_hits"].as_u64().unwrap()
+        );
+    }
+}
+
+#[test]
+fn bench_throughput_and_latency_run_both_kernel_families() {
+    let dir = fixture();
+    let model = dir.to_str().unwrap();
+    let json = std::env::temp_dir().join(format!("fmoe-bench-engine-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&json);
+    let common = [
+        "--model",
+        model,
+        "--device",
+        "cpu",
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--kernels",
+        "fused,portable",
+        "--json",
+        json.to_str().unwrap(),
+    ];
+    let mut t = vec![
+        "bench",
+        "throughput",
+        "--num-prompts",
+        "16",
+        "--random-range-ratio",
+        "0.5",
+    ];
+    t.extend(common);
+    let out = fmoe(&t, &[]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let mut l = vec!["bench", "latency", "--batch-size", "4", "--num-iters", "3"];
+    l.extend(common);
+    let out = fmoe(&l, &[]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let rows: Vec<serde_json::Value> = std::fs::read_to_string(&json)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    std::fs::remove_file(&json).ok();
+    assert_eq!(rows.len(), 4);
+    let kernels: Vec<&str> = rows
+        .iter()
+        .map(|r| r["moe_kernel"].as_str().unwrap())
+        .collect();
+    assert_eq!(kernels, ["fused", "portable", "fused", "portable"]);
+    for r in &rows[..2] {
+        assert_eq!(r["num_requests"], 16);
+        for f in [
+            "requests_per_s",
+            "output_tokens_per_s",
+            "total_tokens_per_s",
+        ] {
+            assert!(r[f].as_f64().unwrap() > 0.0, "{f}: {r}");
+        }
+        assert!(r["total_tokens_per_s"].as_f64() > r["output_tokens_per_s"].as_f64());
+        assert_eq!(r["moe_method"], "unquantized");
+    }
+    for r in &rows[2..] {
+        let (p50, p99) = (
+            r["latency_ms_p50"].as_f64().unwrap(),
+            r["latency_ms_p99"].as_f64().unwrap(),
+        );
+        assert!(p50 > 0.0 && p99 >= p50, "{r}");
+        assert!(r["latency_ms_mean"].as_f64().unwrap() > 0.0);
+    }
+}

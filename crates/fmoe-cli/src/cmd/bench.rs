@@ -29,6 +29,12 @@ pub enum Bench {
     /// A whole model end to end: prefill (TTFT), decode steps (TPOT), tokens/s, and the
     /// weight-streaming floor of a decode step.
     Model(super::bench_model::ModelArgs),
+    /// Whole requests through the engine, all queued at once: requests/s and tokens/s (after
+    /// `vllm bench throughput`).
+    Throughput(super::bench_engine::ThroughputArgs),
+    /// Batches of whole requests through the engine: latency mean and percentiles (after
+    /// `vllm bench latency`).
+    Latency(super::bench_engine::LatencyArgs),
 }
 
 #[derive(clap::Args)]
@@ -283,6 +289,8 @@ pub fn run(b: Bench) -> Result<()> {
     let args = match b {
         Bench::Moe(args) => args,
         Bench::Model(args) => return super::bench_model::run(args),
+        Bench::Throughput(args) => return super::bench_engine::throughput(args),
+        Bench::Latency(args) => return super::bench_engine::latency(args),
     };
     FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
     let device = super::require_device(args.device)?;

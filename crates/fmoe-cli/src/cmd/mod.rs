@@ -1,5 +1,6 @@
 pub mod bench;
 mod bench_cuda;
+mod bench_engine;
 mod bench_model;
 pub mod engine_flags;
 pub mod generate;
