@@ -1,17 +1,24 @@
 //! Where weights come from: a safetensors [`Checkpoint`] (one file or shards listed by
-//! `model.safetensors.index.json`, memory-mapped), or [`DummyWeights`] (random values of the
-//! requested shapes from a seed, `--load-format dummy`). [`WeightSource`] joins the two behind
-//! one interface, and [`Vb`] walks it by checkpoint name prefixes (`vb.pp("model").pp("layers")`)
-//! so model files read like a map of the checkpoint.
+//! `model.safetensors.index.json`), or [`DummyWeights`] (random values of the requested shapes
+//! from a seed, `--load-format dummy`). [`WeightSource`] joins the two behind one interface, and
+//! [`Vb`] walks it by checkpoint name prefixes (`vb.pp("model").pp("layers")`) so model files read
+//! like a map of the checkpoint.
+//!
+//! Checkpoint files are read with positioned reads (`pread`), not memory-mapped: every tensor is
+//! copied out and converted anyway, and a file that shrinks while it is read is then an error
+//! naming it (a read past the end), where a mapping would kill the process with SIGBUS. Every
+//! path opened here must be a regular file ([`open_regular`]): a directory, FIFO, socket or
+//! device is an error naming the path and what it is, and a FIFO never blocks the open.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, bf16, f16};
+use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Shape, Tensor, bf16, f16};
 use fmoe_kernels::elementwise;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use memmap2::Mmap;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype as StDtype, Metadata};
 
@@ -21,38 +28,169 @@ use crate::{Error, Result};
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The largest safetensors header read (the format's own limit).
+pub const MAX_HEADER_BYTES: u64 = 100_000_000;
+/// The largest `model.safetensors.index.json` read (DeepSeek-V3's is about 9 MB).
+pub const MAX_INDEX_BYTES: u64 = 256 << 20;
+/// Tensors at least this large are compared with the host's free memory before they are read.
+const BUDGET_CHECK_BYTES: usize = 64 << 20;
 
-/// One memory-mapped safetensors file with its parsed header.
+/// What is at a path, for the regular-file checks.
+enum Entry {
+    Missing,
+    Regular,
+    /// Something else: "a directory", "a FIFO (named pipe)", ...
+    Other(&'static str),
+}
+
+fn entry(path: &Path) -> std::io::Result<Entry> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::metadata(path) {
+        Ok(m) => {
+            let t = m.file_type();
+            Ok(if t.is_file() {
+                Entry::Regular
+            } else if t.is_dir() {
+                Entry::Other("a directory")
+            } else if t.is_fifo() {
+                Entry::Other("a FIFO (named pipe)")
+            } else if t.is_socket() {
+                Entry::Other("a socket")
+            } else if t.is_block_device() || t.is_char_device() {
+                Entry::Other("a device")
+            } else {
+                Entry::Other("not a regular file")
+            })
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Entry::Missing),
+        Err(e) => Err(e),
+    }
+}
+
+fn not_regular(path: &Path, what: &str, kind: &str) -> Error {
+    Error::Io {
+        path: path.to_path_buf(),
+        err: std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{what} must be a regular file, but this is {kind}"),
+        ),
+    }
+}
+
+/// Opens `path` for reading if it is a regular file (`what` names it in errors, e.g.
+/// "config.json"). The open itself is non-blocking, so a FIFO swapped in after the check cannot
+/// hang it, and the opened file is checked again (`fstat`).
+pub fn open_regular(path: &Path, what: &str) -> Result<File> {
+    let io = |err| Error::Io {
+        path: path.to_path_buf(),
+        err,
+    };
+    if let Entry::Other(kind) = entry(path).map_err(io)? {
+        return Err(not_regular(path, what, kind));
+    }
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io)?;
+    if !file.metadata().map_err(io)?.is_file() {
+        return Err(not_regular(path, what, "not a regular file"));
+    }
+    Ok(file)
+}
+
+/// The contents of the regular file `path`, at most `max_bytes` of them (a larger file is an
+/// error naming the limit, not a large allocation).
+pub fn read_regular_file(path: &Path, what: &str, max_bytes: u64) -> Result<Vec<u8>> {
+    let file = open_regular(path, what)?;
+    let io = |err| Error::Io {
+        path: path.to_path_buf(),
+        err,
+    };
+    let len = file.metadata().map_err(io)?.len();
+    let too_big = |len: u64| Error::Io {
+        path: path.to_path_buf(),
+        err: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{what} is {len} bytes, more than the {max_bytes} read"),
+        ),
+    };
+    if len > max_bytes {
+        return Err(too_big(len));
+    }
+    let mut out = Vec::with_capacity(len as usize);
+    // `take` guards a file that grows between the size check and the read.
+    file.take(max_bytes + 1).read_to_end(&mut out).map_err(io)?;
+    if out.len() as u64 > max_bytes {
+        return Err(too_big(out.len() as u64));
+    }
+    Ok(out)
+}
+
+/// One safetensors file with its parsed header.
 struct ShardFile {
     path: PathBuf,
-    mmap: Mmap,
+    file: File,
     /// Bytes before the data section (8-byte length + JSON header).
-    data_start: usize,
+    data_start: u64,
     metadata: Metadata,
 }
 
 impl ShardFile {
     fn open(path: &Path) -> Result<ShardFile> {
-        let file = File::open(path).map_err(|source| Error::Io {
+        let file = open_regular(path, "a checkpoint file")?;
+        let bad = |msg: String| Error::Safetensors {
             path: path.to_path_buf(),
-            err: source,
-        })?;
-        // SAFETY: the map is read-only; a checkpoint modified while mapped is the caller's fault
-        // (as in every mmap-based loader), and reads stay inside the mapped length.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {
+            msg,
+        };
+        let io = |err| Error::Io {
             path: path.to_path_buf(),
-            err: source,
-        })?;
-        // read_metadata validates the header and that the data section fills the file exactly,
-        // so a truncated file is an error here, not an out-of-bounds read later.
-        let (n, metadata) =
-            safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
-                path: path.to_path_buf(),
-                msg: format!("{e}"),
-            })?;
+            err,
+        };
+        let len = file.metadata().map_err(io)?.len();
+        let mut n = [0u8; 8];
+        if len < 8 {
+            return Err(bad(format!(
+                "the file is {len} bytes, too short for the 8-byte header length"
+            )));
+        }
+        file.read_exact_at(&mut n, 0)
+            .map_err(|e| shrank_or(path, e, "the header length"))?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER_BYTES {
+            return Err(bad(format!(
+                "header length {n} exceeds the format's limit of {MAX_HEADER_BYTES} bytes"
+            )));
+        }
+        if n > len - 8 {
+            return Err(bad(format!(
+                "header length {n} runs past the end of the file ({len} bytes)"
+            )));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8)
+            .map_err(|e| shrank_or(path, e, "the header"))?;
+        // Metadata's deserializer validates the header: offsets contiguous from 0, each tensor's
+        // byte length equal to its shape × dtype size (checked arithmetic).
+        let metadata: Metadata =
+            serde_json::from_slice(&header).map_err(|e| bad(format!("invalid header: {e}")))?;
+        let data_end = metadata
+            .tensors()
+            .values()
+            .map(|t| t.data_offsets.1 as u64)
+            .max()
+            .unwrap_or(0);
+        let data_len = len - 8 - n;
+        if data_end != data_len {
+            return Err(bad(format!(
+                "the header describes {data_end} bytes of tensor data, the file holds {data_len} \
+                 (truncated or padded)"
+            )));
+        }
         Ok(ShardFile {
             path: path.to_path_buf(),
-            mmap,
+            file,
             data_start: 8 + n,
             metadata,
         })
@@ -66,8 +204,27 @@ impl ShardFile {
     }
 }
 
-/// A safetensors checkpoint directory, memory-mapped. Tensors are copied out (and converted to
-/// fmoe's element types) on [`Checkpoint::get`].
+/// A read error of `path`: a short read (`read_exact_at`'s `UnexpectedEof`) means the file shrank
+/// after its header was checked.
+fn shrank_or(path: &Path, e: std::io::Error, what: &str) -> Error {
+    if e.kind() == std::io::ErrorKind::UnexpectedEof {
+        Error::Safetensors {
+            path: path.to_path_buf(),
+            msg: format!(
+                "the file ended while reading {what}: it was truncated or rewritten while fmoe \
+                 was loading it"
+            ),
+        }
+    } else {
+        Error::Io {
+            path: path.to_path_buf(),
+            err: e,
+        }
+    }
+}
+
+/// A safetensors checkpoint directory. Tensors are read (and converted to fmoe's element types)
+/// on [`Checkpoint::get`].
 pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<ShardFile>,
@@ -77,13 +234,25 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens `dir/model.safetensors.index.json` and its shards, else `dir/model.safetensors`.
+    /// With an index, its `weight_map` says where each tensor is, and it is checked against the
+    /// shards' headers: every tensor it lists must be in the shard it names, and every tensor of
+    /// a shard must be listed, under that shard.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let index = dir.join(INDEX_FILE);
-        let paths = if index.is_file() {
-            shard_paths(&index, dir)?
-        } else {
-            let single = dir.join(SINGLE_FILE);
-            if !single.is_file() {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |err| Error::Io { path, err }
+        };
+        match entry(&index).map_err(io(&index))? {
+            Entry::Regular => return Checkpoint::open_sharded(dir, &index),
+            Entry::Other(kind) => return Err(not_regular(&index, INDEX_FILE, kind)),
+            Entry::Missing => {}
+        }
+        let single = dir.join(SINGLE_FILE);
+        match entry(&single).map_err(io(&single))? {
+            Entry::Regular => {}
+            Entry::Other(kind) => return Err(not_regular(&single, SINGLE_FILE, kind)),
+            Entry::Missing => {
                 return Err(Error::Io {
                     path: dir.to_path_buf(),
                     err: std::io::Error::new(
@@ -92,22 +261,79 @@ impl Checkpoint {
                     ),
                 });
             }
-            vec![single]
-        };
-        let files: Vec<ShardFile> = paths
+        }
+        let file = ShardFile::open(&single)?;
+        let names = file
+            .metadata
+            .tensors()
+            .into_keys()
+            .map(|n| (n, 0))
+            .collect();
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            files: vec![file],
+            names,
+        })
+    }
+
+    fn open_sharded(dir: &Path, index: &Path) -> Result<Checkpoint> {
+        let map = weight_map(index)?;
+        let mut shard_names: Vec<String> = Vec::new();
+        let mut shard_of: HashMap<&str, usize> = HashMap::new();
+        let mut names = HashMap::with_capacity(map.len());
+        for (tensor, shard) in &map {
+            let i = *shard_of.entry(shard.as_str()).or_insert_with(|| {
+                shard_names.push(shard.clone());
+                shard_names.len() - 1
+            });
+            names.insert(tensor.clone(), i);
+        }
+        let files: Vec<ShardFile> = shard_names
             .iter()
-            .map(|p| ShardFile::open(p))
+            .map(|f| ShardFile::open(&dir.join(f)))
             .collect::<Result<_>>()?;
-        let mut names = HashMap::new();
+        let bad = |msg: String| Error::Safetensors {
+            path: index.to_path_buf(),
+            msg,
+        };
+        // Where each tensor really is, refusing one held twice.
+        let mut held: HashMap<String, usize> = HashMap::new();
         for (i, f) in files.iter().enumerate() {
-            for name in f.metadata.tensors().keys() {
-                if let Some(prev) = names.insert(name.clone(), i) {
+            for name in f.metadata.tensors().into_keys() {
+                if let Some(prev) = held.insert(name.clone(), i) {
                     return Err(Error::Safetensors {
                         path: f.path.clone(),
                         msg: format!("tensor `{name}` is also in {}", files[prev].path.display()),
                     });
                 }
             }
+        }
+        // Sorted, so the first inconsistency reported does not depend on hash order.
+        let listed: BTreeSet<&String> = names.keys().collect();
+        for name in listed {
+            let want = names[name];
+            match held.get(name) {
+                Some(&got) if got == want => {}
+                Some(&got) => {
+                    return Err(bad(format!(
+                        "weight_map files `{name}` under {}, but it is in {}",
+                        shard_names[want], shard_names[got]
+                    )));
+                }
+                None => {
+                    return Err(bad(format!(
+                        "weight_map files `{name}` under {}, which does not hold it",
+                        shard_names[want]
+                    )));
+                }
+            }
+        }
+        let unlisted: BTreeSet<&String> = held.keys().filter(|n| !names.contains_key(*n)).collect();
+        if let Some(name) = unlisted.first() {
+            return Err(bad(format!(
+                "tensor `{name}` of {} is not in weight_map",
+                shard_names[held[*name]]
+            )));
         }
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
@@ -172,13 +398,31 @@ impl Checkpoint {
     pub fn get(&self, name: &str) -> Result<Tensor> {
         let (file, info) = self.locate(name)?;
         let (start, end) = info.data_offsets;
-        let bytes = &file.mmap[file.data_start + start..file.data_start + end];
+        let len = end - start;
+        if len >= BUDGET_CHECK_BYTES {
+            fmoe_core::memory::check_budget(
+                &format!("tensor `{name}` {:?} of {}", info.shape, file.file_name()),
+                len,
+                Device::Cpu,
+            )?;
+        }
+        let at = file.data_start + start as u64;
+        let pread = |buf: &mut [u8], off: u64| file.file.read_exact_at(buf, at + off);
+        let shrank = |e| shrank_or(&file.path, e, &format!("tensor `{name}`"));
         let storage = match info.dtype {
-            StDtype::BF16 => CpuStorage::BF16(decode(bytes, |b| bf16::from_bits(le16(b)))),
-            StDtype::F16 => CpuStorage::F16(decode(bytes, |b| f16::from_bits(le16(b)))),
-            StDtype::F32 => CpuStorage::F32(decode(bytes, |b| f32::from_bits(le32(b)))),
-            StDtype::U32 => CpuStorage::U32(decode(bytes, le32)),
-            StDtype::F8_E4M3 => CpuStorage::F8E4M3(decode(bytes, |b| F8E4M3::from_bits(b[0]))),
+            StDtype::BF16 => {
+                CpuStorage::BF16(decode(len, &pread, |b| bf16::from_bits(le16(b))).map_err(shrank)?)
+            }
+            StDtype::F16 => {
+                CpuStorage::F16(decode(len, &pread, |b| f16::from_bits(le16(b))).map_err(shrank)?)
+            }
+            StDtype::F32 => {
+                CpuStorage::F32(decode(len, &pread, |b| f32::from_bits(le32(b))).map_err(shrank)?)
+            }
+            StDtype::U32 => CpuStorage::U32(decode(len, &pread, le32).map_err(shrank)?),
+            StDtype::F8_E4M3 => CpuStorage::F8E4M3(
+                decode(len, &pread, |b| F8E4M3::from_bits(b[0])).map_err(shrank)?,
+            ),
             other => {
                 return Err(Error::TensorDType {
                     name: name.to_string(),
@@ -253,58 +497,68 @@ fn le32(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
-/// Decodes little-endian elements of `size_of::<T>()` bytes each, in parallel for large tensors.
-fn decode<T: Send>(bytes: &[u8], f: impl Fn(&[u8]) -> T + Sync) -> Vec<T> {
+/// Bytes read and decoded per step: large enough for parallel decoding, small enough that a
+/// tensor is never held twice (raw bytes beside the decoded values).
+const READ_CHUNK: usize = 8 << 20;
+
+/// Decodes `len` bytes of little-endian elements of `size_of::<T>()` bytes each, read with `read`
+/// (`(buffer, offset)`) a chunk at a time, in parallel for large chunks.
+fn decode<T: Send>(
+    len: usize,
+    read: &dyn Fn(&mut [u8], u64) -> std::io::Result<()>,
+    f: impl Fn(&[u8]) -> T + Sync,
+) -> std::io::Result<Vec<T>> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() >= 1 << 20 {
-        bytes.par_chunks_exact(size).map(&f).collect()
-    } else {
-        bytes.chunks_exact(size).map(f).collect()
+    // The header validated len = elements × dtype size, and size_of::<T>() is that dtype's size.
+    let mut out = Vec::with_capacity(len / size);
+    let chunk = READ_CHUNK - READ_CHUNK % size;
+    let mut buf = vec![0u8; chunk.min(len)];
+    let mut off = 0;
+    while off < len {
+        let take = chunk.min(len - off);
+        let bytes = &mut buf[..take];
+        read(bytes, off as u64)?;
+        if take >= 1 << 20 {
+            out.par_extend(bytes.par_chunks_exact(size).map(&f));
+        } else {
+            out.extend(bytes.chunks_exact(size).map(&f));
+        }
+        off += take;
     }
+    Ok(out)
 }
 
-/// The shard files named by `weight_map` of an index file, in first-seen order.
-fn shard_paths(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
+/// `weight_map` of an index file: tensor name → shard file name (a plain name beside the index).
+fn weight_map(index: &Path) -> Result<Vec<(String, String)>> {
+    let text = read_regular_file(index, INDEX_FILE, MAX_INDEX_BYTES)?;
+    let bad = |msg: String| Error::Safetensors {
         path: index.to_path_buf(),
-        err: source,
-    })?;
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Safetensors {
-        path: index.to_path_buf(),
-        msg: format!("invalid JSON: {e}"),
-    })?;
+        msg,
+    };
+    let value: serde_json::Value =
+        serde_json::from_slice(&text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
     let map = value
         .get("weight_map")
         .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: "no `weight_map` object".into(),
-        })?;
-    let mut seen = BTreeSet::new();
-    let mut paths = Vec::new();
+        .ok_or_else(|| bad("no `weight_map` object".into()))?;
+    let mut out = Vec::with_capacity(map.len());
     for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: format!("weight_map entry for `{name}` is not a file name"),
-        })?;
-        // Shards live beside the index: refuse paths that leave the directory.
-        if file.contains('/') || file.contains('\\') || file == ".." {
-            return Err(Error::Safetensors {
-                path: index.to_path_buf(),
-                msg: format!("shard name `{file}` (for `{name}`) is not a plain file name"),
-            });
+        let file = file
+            .as_str()
+            .ok_or_else(|| bad(format!("weight_map entry for `{name}` is not a file name")))?;
+        // Shards live beside the index: refuse paths that leave the directory, and names that
+        // are the directory itself.
+        if file.contains('/') || file.contains('\\') || matches!(file, "" | "." | "..") {
+            return Err(bad(format!(
+                "shard name `{file}` (for `{name}`) is not a plain file name"
+            )));
         }
-        if seen.insert(file.to_string()) {
-            paths.push(dir.join(file));
-        }
+        out.push((name.clone(), file.to_string()));
     }
-    if paths.is_empty() {
-        return Err(Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: "`weight_map` is empty".into(),
-        });
+    if out.is_empty() {
+        return Err(bad("`weight_map` is empty".into()));
     }
-    Ok(paths)
+    Ok(out)
 }
 
 /// Random weights from a seed, for `--load-format dummy`: any name exists, with the requested
@@ -330,6 +584,21 @@ impl DummyWeights {
         } else {
             dtypes[0]
         };
+        // The shape comes from the config: count it checked, and compare its bytes with what the
+        // device has free before generating (each tensor, so a model too large for the device
+        // stops at the tensor that no longer fits, with the error naming it).
+        let shape = Shape::from(dims);
+        let elems = shape.checked_elem_count()?;
+        let bytes = fmoe_core::checked_bytes(
+            &format!("dummy weight `{name}` {shape}"),
+            elems,
+            dtype.size_in_bytes(),
+        )?;
+        fmoe_core::memory::check_budget(
+            &format!("dummy weight `{name}` {shape} {dtype}"),
+            bytes,
+            self.device,
+        )?;
         let seed = self.seed ^ fnv1a(name);
         // (std, mean) of uniform values: a hash per element, cheap, so a dummy model of billions
         // of parameters builds in seconds.
