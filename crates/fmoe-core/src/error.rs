@@ -45,6 +45,24 @@ pub enum Error {
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },
 
+    /// A size computed from outside input (a config, a header, a flag) does not fit `usize`.
+    #[error("{what}: {expr} overflows the {}-bit size range", usize::BITS)]
+    SizeOverflow { what: String, expr: String },
+
+    /// A request larger than what the device has free ([`crate::memory::check_budget`]).
+    #[error(
+        "{request}: needs {} ({bytes} bytes) on {device}, more than the {} available ({limit})",
+        crate::memory::human_bytes(*bytes),
+        crate::memory::human_bytes(*available)
+    )]
+    OutOfMemory {
+        request: String,
+        bytes: usize,
+        available: usize,
+        limit: &'static str,
+        device: Device,
+    },
+
     #[error(
         "environment variable {var} has invalid value {value:?}: expected 0, 1, true or false (case-insensitive)"
     )]

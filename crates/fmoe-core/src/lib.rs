@@ -10,6 +10,10 @@
 //!   memory pool that keeps freed blocks) and [`cuda::CudaStorage`] is the memory behind
 //!   [`Storage::Cuda`]. The driver and NVRTC are loaded at run time, so building needs no CUDA
 //!   toolkit and a machine without a GPU gets an [`Error::NoCuda`], never a panic.
+//! - [`size`] is checked size arithmetic for sizes from outside (configs, headers, flags):
+//!   overflow is an [`Error::SizeOverflow`] naming the operands.
+//! - [`memory`] is the memory budget: [`memory::check_budget`] refuses a request larger than what
+//!   the host or a device has free, naming the request, its size and the limit.
 //! - [`env`](mod@env) parses the `FMOE_*` switches, each variable on its own (no cascade here: the MoE layer
 //!   decides what a combination means).
 //!
@@ -25,13 +29,16 @@ mod device;
 mod dtype;
 pub mod env;
 mod error;
+pub mod memory;
 mod shape;
+pub mod size;
 mod tensor;
 
 pub use device::Device;
 pub use dtype::{DType, F8E4M3, FP8_E4M3_MAX, FP8_E4M3_TO_F32, WithDType, bf16, f16};
 pub use error::{Error, Result};
 pub use shape::Shape;
+pub use size::{checked_bytes, checked_product, checked_sum};
 pub use tensor::{CpuStorage, Storage, Tensor};
 
 /// Re-exported for fmoe-kernels' NVRTC logging (its manifest does not name `tracing` yet).

@@ -131,7 +131,7 @@ impl Tensor {
         device: &Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
-        if storage.len() != shape.elem_count() {
+        if storage.len() != shape.checked_elem_count()? {
             return Err(Error::DataLength {
                 op: "Tensor::from_vec",
                 len: storage.len(),
@@ -151,7 +151,7 @@ impl Tensor {
     /// Wraps storage a kernel produced; its length must equal the shape's element count.
     pub fn from_storage(storage: Storage, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
-        if storage.len() != shape.elem_count() {
+        if storage.len() != shape.checked_elem_count()? {
             return Err(Error::DataLength {
                 op: "Tensor::from_storage",
                 len: storage.len(),
@@ -176,10 +176,11 @@ impl Tensor {
 
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
         let shape = shape.into();
+        let n = shape.checked_elem_count()?;
         match device {
-            Device::Cpu => Tensor::from_f32(&vec![0.0; shape.elem_count()], shape, dtype, device),
+            Device::Cpu => Tensor::from_f32(&vec![0.0; n], shape, dtype, device),
             Device::Cuda(i) => {
-                let s = CudaStorage::zeros(&cuda_backend(*i)?, dtype, shape.elem_count())?;
+                let s = CudaStorage::zeros(&cuda_backend(*i)?, dtype, n)?;
                 Tensor::from_storage(Storage::Cuda(s), shape)
             }
         }
@@ -194,10 +195,11 @@ impl Tensor {
         device: &Device,
     ) -> Result<Tensor> {
         let shape = shape.into();
+        let n = shape.checked_elem_count()?;
         match device {
-            Device::Cpu => Tensor::from_f32(&vec![value; shape.elem_count()], shape, dtype, device),
+            Device::Cpu => Tensor::from_f32(&vec![value; n], shape, dtype, device),
             Device::Cuda(i) => {
-                let mut s = CudaStorage::alloc(&cuda_backend(*i)?, dtype, shape.elem_count())?;
+                let mut s = CudaStorage::alloc(&cuda_backend(*i)?, dtype, n)?;
                 s.fill(value)?;
                 Tensor::from_storage(Storage::Cuda(s), shape)
             }
@@ -235,13 +237,15 @@ impl Tensor {
         &self.storage
     }
     pub fn size_in_bytes(&self) -> usize {
-        self.elem_count() * self.dtype().size_in_bytes()
+        // The storage exists, so this fits; saturating keeps it panic-free regardless.
+        self.elem_count()
+            .saturating_mul(self.dtype().size_in_bytes())
     }
 
     /// Same storage, new shape with the same element count.
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
-        if shape.elem_count() != self.elem_count() {
+        if shape.checked_elem_count()? != self.elem_count() {
             return Err(Error::DataLength {
                 op: "Tensor::reshape",
                 len: self.elem_count(),
@@ -541,6 +545,24 @@ mod tests {
     fn from_vec_checks_length() {
         let err = Tensor::from_vec(vec![1.0f32; 5], [2, 3], &Device::Cpu).unwrap_err();
         assert!(err.to_string().contains("[2, 3]"), "{err}");
+    }
+
+    #[test]
+    fn shapes_whose_element_count_overflows_are_errors() {
+        // 2^58 × 64 wraps to 0 elements unchecked: an empty vector used to fill it.
+        let huge = [1usize << 58, 64];
+        for e in [
+            Tensor::from_vec(Vec::<f32>::new(), huge, &Device::Cpu).unwrap_err(),
+            Tensor::zeros(huge, DType::BF16, &Device::Cpu).unwrap_err(),
+            Tensor::full(huge, DType::F32, 1.0, &Device::Cpu).unwrap_err(),
+        ] {
+            let e = e.to_string();
+            assert!(e.contains("overflows"), "{e}");
+            assert!(e.contains(&format!("dim 0 {}", 1usize << 58)), "{e}");
+        }
+        let t = Tensor::zeros([4], DType::F32, &Device::Cpu).unwrap();
+        let e = t.reshape(huge).unwrap_err().to_string();
+        assert!(e.contains("overflows"), "{e}");
     }
 
     #[test]

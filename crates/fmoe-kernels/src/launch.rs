@@ -85,8 +85,10 @@ pub const FMOE_DEV_PDL: &str = "FMOE_DEV_PDL";
 /// methods under graph replay on an H200 and neutral elsewhere (BENCHMARKS.md, 2026-12-01).
 const PDL_DEFAULT: bool = true;
 
-/// `FMOE_DEV_PDL`, read once per process: the switch, or the invalid value.
-fn pdl_switch() -> Result<bool> {
+/// `FMOE_DEV_PDL`, read once per process: the switch (default on), or [`fmoe_core::Error::InvalidEnv`]
+/// naming the variable and its value. [`PdlChain::enter`] reads it on every device, so a bad value
+/// is an error on the CPU too; the CLI calls it at start-up.
+pub fn pdl_switch() -> Result<bool> {
     static SWITCH: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
     SWITCH
         .get_or_init(|| {
@@ -137,8 +139,10 @@ impl PdlChain {
     /// Enters the scope of a chain on `device` for a batch of `tokens` rows. Errors: an invalid
     /// `FMOE_DEV_PDL`, or no backend for a CUDA device.
     pub fn enter(device: Device, tokens: usize) -> Result<PdlChain> {
+        // Read on every device: an invalid value is an error wherever the chain runs.
+        let switch = pdl_switch()?;
         let on = match device {
-            Device::Cuda(ordinal) if tokens <= PDL_MAX_TOKENS => {
+            Device::Cuda(ordinal) if switch && tokens <= PDL_MAX_TOKENS => {
                 let backend = fmoe_core::cuda::cuda_backend(ordinal)?;
                 pdl_enabled(&backend)?
             }

@@ -49,4 +49,4 @@ pub mod rotary;
 pub mod routing;
 
 pub use error::{Error, Result};
-pub use launch::{FMOE_DEV_PDL, PDL_MAX_TOKENS, PdlChain};
+pub use launch::{FMOE_DEV_PDL, PDL_MAX_TOKENS, PdlChain, pdl_switch};

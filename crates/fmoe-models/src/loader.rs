@@ -1,19 +1,18 @@
 //! Where weights come from: a safetensors [`Checkpoint`] (one file or shards listed by
-//! `model.safetensors.index.json`, memory-mapped), or [`DummyWeights`] (random values of the
-//! requested shapes from a seed, `--load-format dummy`). [`WeightSource`] joins the two behind
-//! one interface, and [`Vb`] walks it by checkpoint name prefixes (`vb.pp("model").pp("layers")`)
-//! so model files read like a map of the checkpoint.
+//! `model.safetensors.index.json`), or [`DummyWeights`] (random values of the requested shapes
+//! from a seed, `--load-format dummy`). [`WeightSource`] joins the two behind one interface, and
+//! [`Vb`] walks it by checkpoint name prefixes (`vb.pp("model").pp("layers")`) so model files read
+//! like a map of the checkpoint.
+//!
+//! Checkpoint files are read with positioned reads (`pread`), not memory-mapped: every tensor is
+//! copied out and converted anyway, and a file that shrinks while it is read is then an error
+//! naming it (a read past the end), where a mapping would kill the process with SIGBUS. Every
+//! path opened here must be a regular file ([`open_regular`]): a directory, FIFO, socket or
+//! device is an error naming the path and what it is, and a FIFO never blocks the open.
 
-use std::collections::{BTreeSet, HashMap};
-use std::fs::File;
-use std::path::{Path, PathBuf};
-
-use fmoe_core::{CpuStorage, DType, Device, F8E4M3, Tensor, bf16, f16};
+use fmoe_core::{DType, Device, Shape, Tensor};
 use fmoe_kernels::elementwise;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use memmap2::Mmap;
-use rayon::prelude::*;
-use safetensors::tensor::{Dtype as StDtype, Metadata};
 
 use crate::{Error, Result};
 
@@ -21,291 +20,11 @@ use crate::{Error, Result};
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint.
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
+mod checkpoint;
+mod files;
 
-/// One memory-mapped safetensors file with its parsed header.
-struct ShardFile {
-    path: PathBuf,
-    mmap: Mmap,
-    /// Bytes before the data section (8-byte length + JSON header).
-    data_start: usize,
-    metadata: Metadata,
-}
-
-impl ShardFile {
-    fn open(path: &Path) -> Result<ShardFile> {
-        let file = File::open(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            err: source,
-        })?;
-        // SAFETY: the map is read-only; a checkpoint modified while mapped is the caller's fault
-        // (as in every mmap-based loader), and reads stay inside the mapped length.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            err: source,
-        })?;
-        // read_metadata validates the header and that the data section fills the file exactly,
-        // so a truncated file is an error here, not an out-of-bounds read later.
-        let (n, metadata) =
-            safetensors::SafeTensors::read_metadata(&mmap).map_err(|e| Error::Safetensors {
-                path: path.to_path_buf(),
-                msg: format!("{e}"),
-            })?;
-        Ok(ShardFile {
-            path: path.to_path_buf(),
-            mmap,
-            data_start: 8 + n,
-            metadata,
-        })
-    }
-
-    fn file_name(&self) -> String {
-        self.path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| self.path.display().to_string())
-    }
-}
-
-/// A safetensors checkpoint directory, memory-mapped. Tensors are copied out (and converted to
-/// fmoe's element types) on [`Checkpoint::get`].
-pub struct Checkpoint {
-    dir: PathBuf,
-    files: Vec<ShardFile>,
-    /// Tensor name → index into `files`.
-    names: HashMap<String, usize>,
-}
-
-impl Checkpoint {
-    /// Opens `dir/model.safetensors.index.json` and its shards, else `dir/model.safetensors`.
-    pub fn open(dir: &Path) -> Result<Checkpoint> {
-        let index = dir.join(INDEX_FILE);
-        let paths = if index.is_file() {
-            shard_paths(&index, dir)?
-        } else {
-            let single = dir.join(SINGLE_FILE);
-            if !single.is_file() {
-                return Err(Error::Io {
-                    path: dir.to_path_buf(),
-                    err: std::io::Error::new(
-                        std::io::ErrorKind::NotFound,
-                        format!("neither {SINGLE_FILE} nor {INDEX_FILE} is there"),
-                    ),
-                });
-            }
-            vec![single]
-        };
-        let files: Vec<ShardFile> = paths
-            .iter()
-            .map(|p| ShardFile::open(p))
-            .collect::<Result<_>>()?;
-        let mut names = HashMap::new();
-        for (i, f) in files.iter().enumerate() {
-            for name in f.metadata.tensors().keys() {
-                if let Some(prev) = names.insert(name.clone(), i) {
-                    return Err(Error::Safetensors {
-                        path: f.path.clone(),
-                        msg: format!("tensor `{name}` is also in {}", files[prev].path.display()),
-                    });
-                }
-            }
-        }
-        Ok(Checkpoint {
-            dir: dir.to_path_buf(),
-            files,
-            names,
-        })
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// Number of tensors across all files.
-    pub fn len(&self) -> usize {
-        self.names.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
-    }
-
-    pub fn contains(&self, name: &str) -> bool {
-        self.names.contains_key(name)
-    }
-
-    /// All tensor names, sorted.
-    pub fn names(&self) -> Vec<&str> {
-        let mut v: Vec<&str> = self.names.keys().map(String::as_str).collect();
-        v.sort_unstable();
-        v
-    }
-
-    /// The files, for error messages: `model.safetensors` or `3 shards in DIR`.
-    fn describe_files(&self) -> String {
-        match self.files.as_slice() {
-            [one] => one.path.display().to_string(),
-            many => format!(
-                "{} shards of {}",
-                many.len(),
-                self.dir.join(INDEX_FILE).display()
-            ),
-        }
-    }
-
-    fn locate(&self, name: &str) -> Result<(&ShardFile, &safetensors::tensor::TensorInfo)> {
-        let missing = || Error::MissingTensor {
-            name: name.to_string(),
-            files: self.describe_files(),
-        };
-        let file = &self.files[*self.names.get(name).ok_or_else(missing)?];
-        let info = file.metadata.info(name).ok_or_else(missing)?;
-        Ok((file, info))
-    }
-
-    /// The stored shape and dtype of `name` without reading it.
-    pub fn info(&self, name: &str) -> Result<(Vec<usize>, String)> {
-        let (_, info) = self.locate(name)?;
-        Ok((info.shape.clone(), format!("{:?}", info.dtype)))
-    }
-
-    /// Reads `name` as a CPU tensor of its stored dtype (BF16, F16, F32, F8_E4M3 or U32).
-    pub fn get(&self, name: &str) -> Result<Tensor> {
-        let (file, info) = self.locate(name)?;
-        let (start, end) = info.data_offsets;
-        let bytes = &file.mmap[file.data_start + start..file.data_start + end];
-        let storage = match info.dtype {
-            StDtype::BF16 => CpuStorage::BF16(decode(bytes, |b| bf16::from_bits(le16(b)))),
-            StDtype::F16 => CpuStorage::F16(decode(bytes, |b| f16::from_bits(le16(b)))),
-            StDtype::F32 => CpuStorage::F32(decode(bytes, |b| f32::from_bits(le32(b)))),
-            StDtype::U32 => CpuStorage::U32(decode(bytes, le32)),
-            StDtype::F8_E4M3 => CpuStorage::F8E4M3(decode(bytes, |b| F8E4M3::from_bits(b[0]))),
-            other => {
-                return Err(Error::TensorDType {
-                    name: name.to_string(),
-                    file: file.file_name(),
-                    expected: "one of BF16, F16, F32, F8_E4M3, U32".into(),
-                    got: format!("{other:?}"),
-                });
-            }
-        };
-        Ok(Tensor::from_cpu_storage(
-            storage,
-            info.shape.clone(),
-            &Device::Cpu,
-        )?)
-    }
-
-    /// [`Checkpoint::get`], checking the shape first (before any data is copied).
-    pub fn get_with_shape(&self, name: &str, dims: &[usize]) -> Result<Tensor> {
-        let (file, info) = self.locate(name)?;
-        if info.shape != dims {
-            return Err(Error::TensorShape {
-                name: name.to_string(),
-                file: file.file_name(),
-                expected: dims.to_vec(),
-                got: info.shape.clone(),
-            });
-        }
-        self.get(name)
-    }
-
-    /// [`Checkpoint::get_with_shape`], also checking that the dtype is one of `dtypes` (before
-    /// any data is copied).
-    pub fn get_typed(&self, name: &str, dims: &[usize], dtypes: &[DType]) -> Result<Tensor> {
-        let (file, info) = self.locate(name)?;
-        let stored = fmoe_dtype(info.dtype);
-        if !stored.is_some_and(|d| dtypes.contains(&d)) {
-            return Err(Error::TensorDType {
-                name: name.to_string(),
-                file: file.file_name(),
-                expected: join_dtypes(dtypes),
-                got: stored.map_or_else(|| format!("{:?}", info.dtype), |d| d.to_string()),
-            });
-        }
-        self.get_with_shape(name, dims)
-    }
-}
-
-/// fmoe's element type for a safetensors dtype, where fmoe has one.
-fn fmoe_dtype(d: StDtype) -> Option<DType> {
-    match d {
-        StDtype::BF16 => Some(DType::BF16),
-        StDtype::F16 => Some(DType::F16),
-        StDtype::F32 => Some(DType::F32),
-        StDtype::U32 => Some(DType::U32),
-        StDtype::F8_E4M3 => Some(DType::F8E4M3),
-        _ => None,
-    }
-}
-
-fn join_dtypes(dtypes: &[DType]) -> String {
-    dtypes
-        .iter()
-        .map(|d| d.as_str())
-        .collect::<Vec<_>>()
-        .join(" or ")
-}
-
-fn le16(b: &[u8]) -> u16 {
-    u16::from_le_bytes([b[0], b[1]])
-}
-fn le32(b: &[u8]) -> u32 {
-    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-}
-
-/// Decodes little-endian elements of `size_of::<T>()` bytes each, in parallel for large tensors.
-fn decode<T: Send>(bytes: &[u8], f: impl Fn(&[u8]) -> T + Sync) -> Vec<T> {
-    let size = std::mem::size_of::<T>();
-    if bytes.len() >= 1 << 20 {
-        bytes.par_chunks_exact(size).map(&f).collect()
-    } else {
-        bytes.chunks_exact(size).map(f).collect()
-    }
-}
-
-/// The shard files named by `weight_map` of an index file, in first-seen order.
-fn shard_paths(index: &Path, dir: &Path) -> Result<Vec<PathBuf>> {
-    let text = std::fs::read_to_string(index).map_err(|source| Error::Io {
-        path: index.to_path_buf(),
-        err: source,
-    })?;
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Safetensors {
-        path: index.to_path_buf(),
-        msg: format!("invalid JSON: {e}"),
-    })?;
-    let map = value
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: "no `weight_map` object".into(),
-        })?;
-    let mut seen = BTreeSet::new();
-    let mut paths = Vec::new();
-    for (name, file) in map {
-        let file = file.as_str().ok_or_else(|| Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: format!("weight_map entry for `{name}` is not a file name"),
-        })?;
-        // Shards live beside the index: refuse paths that leave the directory.
-        if file.contains('/') || file.contains('\\') || file == ".." {
-            return Err(Error::Safetensors {
-                path: index.to_path_buf(),
-                msg: format!("shard name `{file}` (for `{name}`) is not a plain file name"),
-            });
-        }
-        if seen.insert(file.to_string()) {
-            paths.push(dir.join(file));
-        }
-    }
-    if paths.is_empty() {
-        return Err(Error::Safetensors {
-            path: index.to_path_buf(),
-            msg: "`weight_map` is empty".into(),
-        });
-    }
-    Ok(paths)
-}
+pub use checkpoint::{Checkpoint, MAX_HEADER_BYTES, MAX_INDEX_BYTES};
+pub use files::{open_regular, read_regular_file};
 
 /// Random weights from a seed, for `--load-format dummy`: any name exists, with the requested
 /// shape and the first requested dtype (or `dtype`, when allowed). Values are uniform with a
@@ -330,6 +49,21 @@ impl DummyWeights {
         } else {
             dtypes[0]
         };
+        // The shape comes from the config: count it checked, and compare its bytes with what the
+        // device has free before generating (each tensor, so a model too large for the device
+        // stops at the tensor that no longer fits, with the error naming it).
+        let shape = Shape::from(dims);
+        let elems = shape.checked_elem_count()?;
+        let bytes = fmoe_core::checked_bytes(
+            &format!("dummy weight `{name}` {shape}"),
+            elems,
+            dtype.size_in_bytes(),
+        )?;
+        fmoe_core::memory::check_budget(
+            &format!("dummy weight `{name}` {shape} {dtype}"),
+            bytes,
+            self.device,
+        )?;
         let seed = self.seed ^ fnv1a(name);
         // (std, mean) of uniform values: a hash per element, cheap, so a dummy model of billions
         // of parameters builds in seconds.

@@ -8,9 +8,9 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use fmoe_core::env::FusedSwitches;
-use fmoe_core::{DType, Device, Tensor};
+use fmoe_core::{DType, Device, Tensor, checked_product, checked_sum};
 use fmoe_kernels::moe_align::align_routes;
 use fmoe_kernels::routing::{TopK, topk_softmax};
 use fmoe_moe::reference::{moe_f64, rel_err};
@@ -309,6 +309,34 @@ pub fn run(b: Bench) -> Result<()> {
         (true, Device::Cpu) => vec![1, 4, 16, 64],
         (true, Device::Cuda(_)) => super::bench_cuda::DEFAULT_TOKENS.to_vec(),
     };
+    if let Some(&m) = tokens.iter().find(|&&m| m == 0) {
+        bail!("--tokens: every token count must be positive, got {m}");
+    }
+    if !(args.min_time.is_finite() && args.min_time >= 0.0) {
+        bail!(
+            "--min-time must be a finite number of seconds >= 0, got {}",
+            args.min_time
+        );
+    }
+    // Every buffer size follows from a shape and M: check them all (and what they take) before
+    // anything is allocated.
+    for shape in &shapes {
+        fmoe_core::memory::check_budget(
+            &format!("bench moe {}: expert weights", shape.name),
+            weight_bytes(shape, device)?,
+            device,
+        )?;
+        for &m in &tokens {
+            fmoe_core::memory::check_budget(
+                &format!(
+                    "bench moe {} --tokens {m}: activations, routes and intermediates",
+                    shape.name
+                ),
+                batch_bytes(shape, m)?,
+                device,
+            )?;
+        }
+    }
     let methods = if args.method.is_empty() {
         QuantScheme::ALL.to_vec()
     } else {
@@ -340,8 +368,7 @@ pub fn run(b: Bench) -> Result<()> {
             &args, device, &shapes, &methods, &families, &tokens, &mut json, &date, &bar,
         )?;
         bar.finish_and_clear();
-        print_table(&rows);
-        return Ok(());
+        return print_table(&rows);
     }
     let mut rows = Vec::new();
     for shape in &shapes {
@@ -433,8 +460,64 @@ pub fn run(b: Bench) -> Result<()> {
         }
     }
     bar.finish_and_clear();
-    print_table(&rows);
-    Ok(())
+    print_table(&rows)
+}
+
+/// Bytes of one shape's weights as the bench makes them: bf16 w13 and w2 (on the CPU also the
+/// f32 values they are rounded from, while each is made).
+fn weight_bytes(shape: &Shape, device: Device) -> Result<usize> {
+    let per_elem = if device.is_cpu() { 2 + 4 } else { 2 };
+    Ok(checked_product(
+        &format!("bench moe {}: expert weight bytes", shape.name),
+        &[
+            ("experts", shape.experts),
+            ("3 matrices", 3),
+            ("intermediate", shape.intermediate),
+            ("hidden", shape.hidden),
+            ("bytes per element", per_elem),
+        ],
+    )?)
+}
+
+/// A lower bound of the bytes one batch of `m` tokens takes: the activations (f32 while made,
+/// bf16), the router logits, the routes, the layer's f32 intermediates (h = [routes, 2I], its
+/// SiLU⊙mul half, the output), and the f64 reference's copies of the input and output.
+fn batch_bytes(shape: &Shape, m: usize) -> Result<usize> {
+    let what = format!("bench moe {} --tokens {m}: bytes", shape.name);
+    let (k, n, e, top_k) = (shape.hidden, shape.intermediate, shape.experts, shape.top_k);
+    let per_token = checked_sum(
+        &what,
+        &[
+            (
+                "activations",
+                checked_product(
+                    &what,
+                    &[
+                        ("hidden", k),
+                        ("f32 + bf16 + f32 out + 2 f64", 4 + 2 + 4 + 16),
+                    ],
+                )?,
+            ),
+            (
+                "router logits",
+                checked_product(&what, &[("experts", e), ("f32", 4)])?,
+            ),
+            (
+                "routes",
+                checked_product(
+                    &what,
+                    &[
+                        ("top_k", top_k),
+                        ("ids, weights, h and SiLU⊙mul (f32)", 8 + 12 * n),
+                    ],
+                )?,
+            ),
+        ],
+    )?;
+    Ok(checked_product(
+        &what,
+        &[("tokens", m), ("bytes per token", per_token)],
+    )?)
 }
 
 /// Median wall time of `forward_routed` (routing excluded, as in the peers' script).
@@ -461,7 +544,7 @@ fn randn_tensor<const R: usize>(
     dims: [usize; R],
     scale: f32,
 ) -> Result<Tensor> {
-    let n = dims.iter().product();
+    let n = fmoe_core::Shape::from(dims).checked_elem_count()?;
     let v: Vec<f32> = (0..n)
         .map(|_| StandardNormal.sample(rng))
         .map(|v: f32| v * scale)
@@ -469,9 +552,18 @@ fn randn_tensor<const R: usize>(
     Ok(Tensor::from_f32(&v, dims, DType::BF16, &Device::Cpu)?)
 }
 
-fn print_table(rows: &[Row]) {
+/// Prints the rows as a table on stdout; a failed write (a closed pipe, a full disk) is an error.
+fn print_table(rows: &[Row]) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    write_table(&mut out, rows)
+        .and_then(|()| out.flush())
+        .map_err(super::stdout_error)
+}
+
+fn write_table(out: &mut dyn Write, rows: &[Row]) -> std::io::Result<()> {
     let cuda = rows.iter().any(|r| r.cuda.is_some());
-    print!(
+    write!(
+        out,
         "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10} {:>8} {:>9} {:>9} {:>9} {:>8}",
         "shape",
         "method",
@@ -484,18 +576,20 @@ fn print_table(rows: &[Row]) {
         "rel_err",
         "quant_err",
         "speedup"
-    );
+    )?;
     if cuda {
-        print!(
+        write!(
+            out,
             " {:>9} {:>7} {:>9} {:>6} {:>9}",
             "floor_ms", "xfloor", "f_vs_p", "timing", "g_vs_e"
-        );
+        )?;
     }
-    println!();
+    writeln!(out)?;
     let opt = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$e}"));
     let fixed = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     for r in rows {
-        print!(
+        write!(
+            out,
             "{:<15} {:<11} {:<8} {:>6} {:>4} {:>10.3} {:>8.2} {:>9.2} {:>9} {:>9} {:>8}",
             r.shape,
             r.method,
@@ -509,19 +603,21 @@ fn print_table(rows: &[Row]) {
             opt(r.quant_err, 2),
             r.speedup_vs_portable
                 .map_or("-".to_string(), |s| format!("{s:.2}x")),
-        );
+        )?;
         if let Some(c) = &r.cuda {
-            print!(
+            write!(
+                out,
                 " {:>9} {:>7} {:>9} {:>6} {:>9}",
                 fixed(c.floor_ms, 3),
                 fixed(c.x_floor, 2),
                 opt(c.fused_vs_portable, 1),
                 c.timing,
                 opt(c.graph_vs_eager, 1)
-            );
+            )?;
         }
-        println!();
+        writeln!(out)?;
     }
+    Ok(())
 }
 
 /// UTC date as YYYY-MM-DD, from the system clock (civil-from-days).

@@ -26,7 +26,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use fmoe_core::cuda::cudarc::driver::sys::CUevent_flags;
 use fmoe_core::env::FusedSwitches;
-use fmoe_core::{DType, Device};
+use fmoe_core::memory::check_budget;
+use fmoe_core::{DType, Device, checked_product, checked_sum};
 use fmoe_engine::{DirectSession, LogitsFor, SeqChunk, argmax};
 use fmoe_models::{CausalLm, LoadFormat, LoadOptions, ModelConfig, MoeOptions, load};
 use fmoe_moe::QuantScheme;
@@ -128,6 +129,54 @@ pub fn run(args: ModelArgs) -> Result<()> {
     let device = super::require_device(args.device)?;
     if args.batch.contains(&0) || args.prompt_len == 0 {
         bail!("--batch and --prompt-len must be positive");
+    }
+    if args.decode_steps == 0 {
+        bail!("--decode-steps must be positive (TPOT is the median decode step)");
+    }
+    // The config first (no weights yet): every size the flags imply is checked, and compared with
+    // what the device has, before the model loads.
+    let config_path = fmoe_models::config::config_path(&args.model);
+    let mut config = ModelConfig::from_file(&config_path)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    if let Some(n) = args.num_layers {
+        let n = usize::try_from(n).context("--num-layers does not fit this machine's usize")?;
+        config = config.with_num_hidden_layers(n)?;
+    }
+    let reach = checked_sum(
+        "positions a sequence reaches",
+        &[
+            ("--prompt-len", args.prompt_len),
+            ("--decode-steps", args.decode_steps),
+            ("the last step's token", 1),
+        ],
+    )?;
+    if reach > config.max_position_embeddings() {
+        bail!(
+            "--prompt-len {} + --decode-steps {} reach position {reach}, beyond max_position_embeddings {}",
+            args.prompt_len,
+            args.decode_steps,
+            config.max_position_embeddings()
+        );
+    }
+    check_budget(
+        &format!(
+            "bench model: weights of {} ({} layers)",
+            config.architecture(),
+            config.num_hidden_layers()
+        ),
+        config.weight_bytes()?,
+        device,
+    )?;
+    for &b in &args.batch {
+        check_budget(
+            &format!(
+                "bench model --batch {b} --prompt-len {}: prompt ids, hidden states, logits and \
+                 the KV cache of {reach} positions per sequence",
+                args.prompt_len
+            ),
+            session_bytes(&config, b, args.prompt_len, reach, device)?,
+            device,
+        )?;
     }
     // Ceilings first: their 8 GiB of buffers go back to the pool before the model loads.
     let (ceilings, gpu) = match device {
@@ -238,8 +287,65 @@ pub fn run(args: ModelArgs) -> Result<()> {
             writeln!(f, "{}", serde_json::to_string(row)?)?;
         }
     }
-    print_table(&rows);
-    Ok(())
+    print_table(&rows)
+}
+
+/// A lower bound of the bytes one batch takes: `b` prompts of `p` ids, the prefill's hidden
+/// states (f32), the last rows' logits (f32), and the KV cache of `reach` positions per sequence
+/// (f32 rows on the CPU, bf16 on CUDA).
+fn session_bytes(
+    config: &ModelConfig,
+    b: usize,
+    p: usize,
+    reach: usize,
+    device: Device,
+) -> Result<usize> {
+    let what = format!("bench model --batch {b} --prompt-len {p}: bytes");
+    let kv_bytes = if device.is_cpu() { 4 } else { 2 };
+    let tokens = checked_product(&what, &[("--batch", b), ("--prompt-len", p)])?;
+    Ok(checked_sum(
+        &what,
+        &[
+            (
+                "prompt ids",
+                checked_product(&what, &[("tokens", tokens), ("u32", 4)])?,
+            ),
+            (
+                "hidden states",
+                checked_product(
+                    &what,
+                    &[
+                        ("tokens", tokens),
+                        ("hidden_size", config.hidden_size()),
+                        ("f32", 4),
+                    ],
+                )?,
+            ),
+            (
+                "logits",
+                checked_product(
+                    &what,
+                    &[
+                        ("--batch", b),
+                        ("vocab_size", config.vocab_size()),
+                        ("f32", 4),
+                    ],
+                )?,
+            ),
+            (
+                "KV cache",
+                checked_product(
+                    &what,
+                    &[
+                        ("--batch", b),
+                        ("positions", reach),
+                        ("KV elements per token", config.kv_elems_per_token()?),
+                        ("bytes per element", kv_bytes),
+                    ],
+                )?,
+            ),
+        ],
+    )?)
 }
 
 /// One generation: prefill `prompts` together, then `steps` greedy decode steps. Returns the
@@ -389,8 +495,17 @@ fn decode_traffic(cfg: &ModelConfig, scheme: Option<QuantScheme>, b: usize, ctx:
     }
 }
 
-fn print_table(rows: &[Row]) {
-    println!(
+/// Prints the rows as a table on stdout; a failed write (a closed pipe, a full disk) is an error.
+fn print_table(rows: &[Row]) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    write_table(&mut out, rows)
+        .and_then(|()| out.flush())
+        .map_err(super::stdout_error)
+}
+
+fn write_table(out: &mut dyn Write, rows: &[Row]) -> std::io::Result<()> {
+    writeln!(
+        out,
         "{:<22} {:>3} {:<11} {:<8} {:>3} {:>5} {:>10} {:>9} {:>10} {:>9} {:>9} {:>7}",
         "model",
         "L",
@@ -404,10 +519,11 @@ fn print_table(rows: &[Row]) {
         "GB/step",
         "floor ms",
         "xfloor"
-    );
+    )?;
     let fixed = |v: Option<f64>, prec: usize| v.map_or("-".to_string(), |v| format!("{v:.prec$}"));
     for r in rows {
-        println!(
+        writeln!(
+            out,
             "{:<22} {:>3} {:<11} {:<8} {:>3} {:>5} {:>10.2} {:>9.3} {:>10.1} {:>9.2} {:>9} {:>7}",
             r.model,
             r.num_layers,
@@ -421,8 +537,9 @@ fn print_table(rows: &[Row]) {
             r.bytes_per_step / 1e9,
             fixed(r.floor_ms, 3),
             fixed(r.x_floor, 2),
-        );
+        )?;
     }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,3 +1,5 @@
+use std::io::Write;
+
 use anyhow::{Context, Result};
 use fmoe_core::Device;
 use fmoe_core::env::FusedSwitches;
@@ -31,11 +33,12 @@ pub fn run(args: Args) -> Result<()> {
     let switches = FusedSwitches::from_env()?;
     let device = super::require_device(args.device)?;
     let choice = dispatch::resolve(&switches, method, device)?;
-    println!("{} on {}: {}", method, device, choice.family);
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{} on {}: {}", method, device, choice.family).map_err(super::stdout_error)?;
     if args.explain {
-        println!("reason: {}", choice.reason);
+        writeln!(out, "reason: {}", choice.reason).map_err(super::stdout_error)?;
     }
-    Ok(())
+    out.flush().map_err(super::stdout_error)
 }
 
 /// One line of `--catalog-json`: an NVRTC program and the entries loaded from it.
@@ -62,6 +65,9 @@ fn print_catalog() -> Result<()> {
         out.push_str(&serde_json::to_string(&line)?);
         out.push('\n');
     }
-    print!("{out}");
-    Ok(())
+    let mut stdout = std::io::stdout().lock();
+    stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+        .map_err(super::stdout_error)
 }

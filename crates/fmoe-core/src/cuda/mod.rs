@@ -105,6 +105,36 @@ impl CudaBackend {
         self.stream_ordered_pool
     }
 
+    /// Bytes an allocation can get now: the device's free memory (`cuMemGetInfo`) plus, with a
+    /// stream-ordered pool, the blocks the pool holds freed (reserved − used), which it hands out
+    /// again before asking the driver. What [`crate::memory::check_budget`] compares with.
+    pub fn free_memory(&self) -> Result<usize> {
+        let (free, _total) = self
+            .context
+            .mem_get_info()
+            .map_err(|e| cuda_error("CudaBackend::free_memory", e))?;
+        if !self.stream_ordered_pool {
+            return Ok(free);
+        }
+        let attr = |a: sys::CUmemPool_attribute| -> std::result::Result<u64, DriverError> {
+            let mut v: u64 = 0;
+            // SAFETY: the device handle comes from this live context; the reserved/used
+            // attributes are `cuuint64_t`, which `v` is, and it outlives the call.
+            unsafe {
+                let pool = result::device::get_mem_pool(self.context.cu_device())?;
+                result::mem_pool::get_attribute(pool, a, (&mut v as *mut u64).cast())?;
+            }
+            Ok(v)
+        };
+        let pooled = attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+            .and_then(|r| {
+                attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+                    .map(|u| r.saturating_sub(u))
+            })
+            .map_err(|e| cuda_error("CudaBackend::free_memory", e))?;
+        Ok(free.saturating_add(usize::try_from(pooled).unwrap_or(usize::MAX)))
+    }
+
     /// The cudarc context (the device's primary context).
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.context

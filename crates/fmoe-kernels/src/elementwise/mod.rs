@@ -95,19 +95,18 @@ pub fn randn(
             format!("randn fills f32, bf16 or f16 tensors, not {dtype}"),
         ));
     }
+    // Checked: dims can come from a config (dummy weights), and a wrapped count would make a
+    // tiny buffer pass for a huge shape.
+    let n = fmoe_core::Shape::from(dims).checked_elem_count()?;
     match device {
-        Device::Cpu => {
-            let n = dims.iter().product();
-            Ok(Tensor::from_f32(
-                &cpu::randn(n, scale, seed),
-                dims,
-                dtype,
-                device,
-            )?)
-        }
+        Device::Cpu => Ok(Tensor::from_f32(
+            &cpu::randn(n, scale, seed),
+            dims,
+            dtype,
+            device,
+        )?),
         Device::Cuda(i) => {
             let backend = fmoe_core::cuda::cuda_backend(*i)?;
-            let n = dims.iter().product();
             let out = cuda::randn(OP, &backend, dtype, n, scale, seed)?;
             Ok(Tensor::from_storage(Storage::Cuda(out), dims)?)
         }
@@ -134,7 +133,7 @@ pub fn rand_uniform(
             format!("rand_uniform fills f32, bf16, f16 or f8e4m3 tensors, not {dtype}"),
         ));
     }
-    let n = dims.iter().product();
+    let n = fmoe_core::Shape::from(dims).checked_elem_count()?;
     match device {
         Device::Cpu => Ok(Tensor::from_cpu_storage(
             cpu::rand_uniform(n, dtype, [scale, offset], seed),

@@ -7,7 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{
-    QuantizationConfig, RopeConfig, RopeParametersJson, TokenIds, default_silu, parse_dtype,
+    QuantizationConfig, RopeConfig, RopeParametersJson, TokenIds, WeightCounts, check_model_sizes,
+    check_token_ids, default_silu, parse_dtype, positive_f32,
 };
 use crate::{Error, Result};
 
@@ -226,26 +227,248 @@ impl DeepseekV3Config {
                 self.num_experts_per_tok, self.topk_group
             ));
         }
-        let dense_layers = (0..self.num_hidden_layers).any(|i| !self.is_moe_layer(i));
+        let dense_layers = self.num_moe_layers() < self.num_hidden_layers;
         if dense_layers && self.intermediate_size == 0 {
             return bad("`intermediate_size` must be positive (dense MLP layers)".into());
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return bad(format!(
-                "rms_norm_eps must be positive, got {}",
-                self.rms_norm_eps
-            ));
-        }
-        if !(self.routed_scaling_factor.is_finite() && self.routed_scaling_factor > 0.0) {
-            return bad(format!(
-                "routed_scaling_factor must be positive, got {}",
-                self.routed_scaling_factor
-            ));
-        }
+        let f32_err = |m: String| Error::config(path, format!("DeepseekV3ForCausalLM: {m}"));
+        positive_f32("rms_norm_eps", self.rms_norm_eps).map_err(f32_err)?;
+        positive_f32("routed_scaling_factor", self.routed_scaling_factor).map_err(f32_err)?;
+        check_token_ids(self.vocab_size, self.bos_token_id, &self.eos_token_ids()).or_else(bad)?;
+        check_model_sizes(
+            self.weight_counts(),
+            self.kv_elems_per_token(),
+            self.max_position_embeddings,
+        )
+        .map_err(|e| Error::config(path, format!("DeepseekV3ForCausalLM: {e}")))?;
         self.rope().map_err(|m| Error::config(path, m))?;
         self.quantization().map_err(|m| Error::config(path, m))?;
         self.dtype().map_err(|m| Error::config(path, m))?;
         Ok(())
+    }
+
+    /// The number of MoE layers among `num_hidden_layers` (counted, not looped over).
+    pub fn num_moe_layers(&self) -> usize {
+        let (l, first, freq) = (
+            self.num_hidden_layers,
+            self.first_k_dense_replace,
+            self.moe_layer_freq.max(1),
+        );
+        if l <= first {
+            return 0;
+        }
+        // Multiples of `freq` in first..l.
+        let below = |n: usize| n.div_ceil(freq);
+        below(l) - below(first)
+    }
+
+    /// The weights' element counts, checked (see [`WeightCounts`]).
+    pub fn weight_counts(&self) -> fmoe_core::Result<WeightCounts> {
+        use fmoe_core::{checked_product as mul, checked_sum as add};
+        let (h, heads, l) = (
+            self.hidden_size,
+            self.num_attention_heads,
+            self.num_hidden_layers,
+        );
+        let qk = add(
+            "qk_head_dim",
+            &[
+                ("qk_nope_head_dim", self.qk_nope_head_dim),
+                ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ],
+        )?;
+        let q_rows = mul(
+            "q_proj rows",
+            &[("num_attention_heads", heads), ("qk_head_dim", qk)],
+        )?;
+        let q = match self.q_lora_rank {
+            Some(r) => add(
+                "q_a_proj + q_b_proj elements",
+                &[
+                    (
+                        "q_a_proj",
+                        mul(
+                            "q_a_proj elements",
+                            &[("q_lora_rank", r), ("hidden_size", h)],
+                        )?,
+                    ),
+                    (
+                        "q_b_proj",
+                        mul(
+                            "q_b_proj elements",
+                            &[("q_proj rows", q_rows), ("q_lora_rank", r)],
+                        )?,
+                    ),
+                    ("q_a_layernorm", r),
+                ],
+            )?,
+            None => mul(
+                "q_proj elements",
+                &[("q_proj rows", q_rows), ("hidden_size", h)],
+            )?,
+        };
+        let kv_a_rows = add(
+            "kv_a_proj rows",
+            &[
+                ("kv_lora_rank", self.kv_lora_rank),
+                ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ],
+        )?;
+        let kv_b_rows = mul(
+            "kv_b_proj rows",
+            &[
+                ("num_attention_heads", heads),
+                (
+                    "qk_nope_head_dim + v_head_dim",
+                    add(
+                        "qk_nope_head_dim + v_head_dim",
+                        &[
+                            ("qk_nope_head_dim", self.qk_nope_head_dim),
+                            ("v_head_dim", self.v_head_dim),
+                        ],
+                    )?,
+                ),
+            ],
+        )?;
+        let attn = add(
+            "attention elements per layer",
+            &[
+                ("q", q),
+                (
+                    "kv_a_proj",
+                    mul(
+                        "kv_a_proj elements",
+                        &[("kv_a_proj rows", kv_a_rows), ("hidden_size", h)],
+                    )?,
+                ),
+                (
+                    "kv_b_proj",
+                    mul(
+                        "kv_b_proj elements",
+                        &[
+                            ("kv_b_proj rows", kv_b_rows),
+                            ("kv_lora_rank", self.kv_lora_rank),
+                        ],
+                    )?,
+                ),
+                (
+                    "o_proj",
+                    mul(
+                        "o_proj elements",
+                        &[
+                            ("hidden_size", h),
+                            ("num_attention_heads", heads),
+                            ("v_head_dim", self.v_head_dim),
+                        ],
+                    )?,
+                ),
+                ("norms", mul("norms", &[("hidden_size", h), ("", 2)])?),
+            ],
+        )?;
+        let moe_layers = self.num_moe_layers();
+        let dense_mlp = mul(
+            "dense MLP elements",
+            &[
+                ("dense layers", l - moe_layers),
+                ("3 matrices", 3),
+                ("intermediate_size", self.intermediate_size),
+                ("hidden_size", h),
+            ],
+        )?;
+        let gates = mul(
+            "router gate elements",
+            &[
+                ("MoE layers", moe_layers),
+                ("n_routed_experts", self.n_routed_experts),
+                ("hidden_size", h),
+            ],
+        )?;
+        let embed = mul(
+            "embed_tokens elements",
+            &[("vocab_size", self.vocab_size), ("hidden_size", h)],
+        )?;
+        let lm_head = if self.tie_word_embeddings { 0 } else { embed };
+        let dense = add(
+            "dense weight elements",
+            &[
+                (
+                    "attention",
+                    mul(
+                        "attention elements",
+                        &[("num_hidden_layers", l), ("per layer", attn)],
+                    )?,
+                ),
+                ("dense MLPs", dense_mlp),
+                ("router gates", gates),
+                ("embed_tokens", embed),
+                ("lm_head", lm_head),
+                ("norm", h),
+            ],
+        )?;
+        let per_expert = mul(
+            "elements per expert",
+            &[
+                ("3 matrices", 3),
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("hidden_size", h),
+            ],
+        )?;
+        let experts = mul(
+            "expert weight elements",
+            &[
+                ("MoE layers", moe_layers),
+                (
+                    "n_routed_experts + n_shared_experts",
+                    add(
+                        "experts per layer",
+                        &[
+                            ("n_routed_experts", self.n_routed_experts),
+                            ("n_shared_experts", self.n_shared_experts),
+                        ],
+                    )?,
+                ),
+                ("elements per expert", per_expert),
+            ],
+        )?;
+        Ok(WeightCounts { dense, experts })
+    }
+
+    /// KV-cache elements one token takes across all layers: the compressed latent and rope key
+    /// per layer, or, where the device path decompresses them, every head's k and v (the larger
+    /// of the two, so a bound for either path).
+    pub fn kv_elems_per_token(&self) -> fmoe_core::Result<usize> {
+        use fmoe_core::{checked_product as mul, checked_sum as add};
+        let latent = add(
+            "latent KV width",
+            &[
+                ("kv_lora_rank", self.kv_lora_rank),
+                ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ],
+        )?;
+        let heads = mul(
+            "decompressed KV width",
+            &[
+                ("num_attention_heads", self.num_attention_heads),
+                (
+                    "qk_head_dim + v_head_dim",
+                    add(
+                        "qk_head_dim + v_head_dim",
+                        &[
+                            ("qk_nope_head_dim", self.qk_nope_head_dim),
+                            ("qk_rope_head_dim", self.qk_rope_head_dim),
+                            ("v_head_dim", self.v_head_dim),
+                        ],
+                    )?,
+                ),
+            ],
+        )?;
+        mul(
+            "KV elements per token",
+            &[
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("width", latent.max(heads)),
+            ],
+        )
     }
 
     /// Per-head q·k width: `qk_nope_head_dim + qk_rope_head_dim` (transformers' `qk_head_dim`;

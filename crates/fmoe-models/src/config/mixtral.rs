@@ -7,7 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::{
-    QuantizationConfig, RopeConfig, RopeParametersJson, TokenIds, default_silu, parse_dtype,
+    QuantizationConfig, RopeConfig, RopeParametersJson, TokenIds, WeightCounts, check_model_sizes,
+    check_token_ids, default_silu, parse_dtype, positive_f32,
 };
 use crate::{Error, Result};
 
@@ -108,16 +109,108 @@ impl MixtralConfig {
         if self.sliding_window == Some(0) {
             return bad("`sliding_window` must be positive or null".into());
         }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
-            return bad(format!(
-                "rms_norm_eps must be positive, got {}",
-                self.rms_norm_eps
-            ));
-        }
+        positive_f32("rms_norm_eps", self.rms_norm_eps)
+            .map_err(|m| Error::config(path, format!("MixtralForCausalLM: {m}")))?;
+        check_token_ids(self.vocab_size, self.bos_token_id, &self.eos_token_ids()).or_else(bad)?;
+        check_model_sizes(
+            self.weight_counts(),
+            self.kv_elems_per_token(),
+            self.max_position_embeddings,
+        )
+        .map_err(|e| Error::config(path, format!("MixtralForCausalLM: {e}")))?;
         self.rope().map_err(|m| Error::config(path, m))?;
         self.quantization().map_err(|m| Error::config(path, m))?;
         self.dtype().map_err(|m| Error::config(path, m))?;
         Ok(())
+    }
+
+    /// The weights' element counts, checked (see [`WeightCounts`]).
+    pub fn weight_counts(&self) -> fmoe_core::Result<WeightCounts> {
+        use fmoe_core::{checked_product as mul, checked_sum as add};
+        let (h, d, l) = (self.hidden_size, self.head_dim(), self.num_hidden_layers);
+        let (heads, kv) = (self.num_attention_heads, self.num_kv_heads());
+        let q = mul(
+            "q_proj/o_proj elements",
+            &[
+                ("num_attention_heads", heads),
+                ("head_dim", d),
+                ("hidden_size", h),
+            ],
+        )?;
+        let k = mul(
+            "k_proj/v_proj elements",
+            &[
+                ("num_key_value_heads", kv),
+                ("head_dim", d),
+                ("hidden_size", h),
+            ],
+        )?;
+        let gate = mul(
+            "router gate elements",
+            &[
+                ("num_local_experts", self.num_local_experts),
+                ("hidden_size", h),
+            ],
+        )?;
+        let layer = add(
+            "dense elements per layer",
+            &[
+                (
+                    "q_proj + o_proj",
+                    mul("q_proj + o_proj", &[("", q), ("", 2)])?,
+                ),
+                (
+                    "k_proj + v_proj",
+                    mul("k_proj + v_proj", &[("", k), ("", 2)])?,
+                ),
+                ("gate", gate),
+                ("norms", mul("norms", &[("hidden_size", h), ("", 2)])?),
+            ],
+        )?;
+        let embed = mul(
+            "embed_tokens elements",
+            &[("vocab_size", self.vocab_size), ("hidden_size", h)],
+        )?;
+        let heads_out = if self.tie_word_embeddings { 0 } else { embed };
+        let dense = add(
+            "dense weight elements",
+            &[
+                (
+                    "layers",
+                    mul(
+                        "dense layer elements",
+                        &[("num_hidden_layers", l), ("per layer", layer)],
+                    )?,
+                ),
+                ("embed_tokens", embed),
+                ("lm_head", heads_out),
+                ("norm", h),
+            ],
+        )?;
+        let experts = mul(
+            "expert weight elements",
+            &[
+                ("num_hidden_layers", l),
+                ("num_local_experts", self.num_local_experts),
+                ("3 matrices", 3),
+                ("intermediate_size", self.intermediate_size),
+                ("hidden_size", h),
+            ],
+        )?;
+        Ok(WeightCounts { dense, experts })
+    }
+
+    /// KV-cache elements one token takes across all layers (k and v rows).
+    pub fn kv_elems_per_token(&self) -> fmoe_core::Result<usize> {
+        fmoe_core::checked_product(
+            "KV elements per token",
+            &[
+                ("num_hidden_layers", self.num_hidden_layers),
+                ("k and v", 2),
+                ("num_key_value_heads", self.num_kv_heads()),
+                ("head_dim", self.head_dim()),
+            ],
+        )
     }
 
     pub fn num_kv_heads(&self) -> usize {

@@ -28,6 +28,9 @@ pub use mixtral::MixtralConfig;
 pub use quantization::{ActivationScheme, QuantizationConfig};
 pub use rope::{RopeConfig, RopeParametersJson, RopeScaling};
 
+/// The largest `config.json` read (real ones are a few KiB).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+
 /// A parsed `config.json`: one variant per supported architecture.
 #[derive(Clone, Debug)]
 pub enum ModelConfig {
@@ -36,12 +39,12 @@ pub enum ModelConfig {
 }
 
 impl ModelConfig {
-    /// Reads and parses `path` (a `config.json`).
+    /// Reads and parses `path` (a `config.json`: a regular file of at most
+    /// [`MAX_CONFIG_BYTES`]).
     pub fn from_file(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            err: source,
-        })?;
+        let text = crate::loader::read_regular_file(path, "config.json", MAX_CONFIG_BYTES)?;
+        let text = String::from_utf8(text)
+            .map_err(|e| Error::config(path, format!("not UTF-8 text: {e}")))?;
         ModelConfig::from_json_str(&text, path)
     }
 
@@ -72,6 +75,95 @@ impl ModelConfig {
         Ok(config)
     }
 
+    /// The weights' element counts (see [`WeightCounts`]).
+    pub fn weight_counts(&self) -> fmoe_core::Result<WeightCounts> {
+        match self {
+            ModelConfig::Mixtral(c) => c.weight_counts(),
+            ModelConfig::DeepseekV3(c) => c.weight_counts(),
+        }
+    }
+
+    /// A lower bound of the bytes the model's weights take once loaded: every weight in the
+    /// checkpoint's dtype (bf16 unless `dtype` says otherwise), the experts of an fp8
+    /// checkpoint at one byte. What a memory budget compares with before loading.
+    pub fn weight_bytes(&self) -> fmoe_core::Result<usize> {
+        let (dtype, quant) = match self {
+            ModelConfig::Mixtral(c) => (c.dtype(), c.quantization()),
+            ModelConfig::DeepseekV3(c) => (c.dtype(), c.quantization()),
+        };
+        let dense = dtype.ok().flatten().unwrap_or(DType::BF16).size_in_bytes();
+        let expert = match quant {
+            Ok(QuantizationConfig::None) | Err(_) => dense,
+            Ok(_) => 1,
+        };
+        let c = self.weight_counts()?;
+        fmoe_core::checked_sum(
+            "weight bytes",
+            &[
+                (
+                    "dense",
+                    fmoe_core::checked_bytes("dense weights", c.dense, dense)?,
+                ),
+                (
+                    "experts",
+                    fmoe_core::checked_bytes("expert weights", c.experts, expert)?,
+                ),
+            ],
+        )
+    }
+
+    /// The number of decoder layers.
+    pub fn num_hidden_layers(&self) -> usize {
+        match self {
+            ModelConfig::Mixtral(c) => c.num_hidden_layers,
+            ModelConfig::DeepseekV3(c) => c.num_hidden_layers,
+        }
+    }
+
+    /// This config with `n` decoder layers (what `--num-layers` loads); the sizes that depend on
+    /// the layer count are checked again.
+    pub fn with_num_hidden_layers(mut self, n: usize) -> fmoe_core::Result<ModelConfig> {
+        match &mut self {
+            ModelConfig::Mixtral(c) => c.num_hidden_layers = n,
+            ModelConfig::DeepseekV3(c) => c.num_hidden_layers = n,
+        }
+        check_model_sizes(
+            self.weight_counts(),
+            self.kv_elems_per_token(),
+            self.max_position_embeddings(),
+        )?;
+        Ok(self)
+    }
+
+    /// KV-cache elements one token takes across all layers (see the architectures' own).
+    pub fn kv_elems_per_token(&self) -> fmoe_core::Result<usize> {
+        match self {
+            ModelConfig::Mixtral(c) => c.kv_elems_per_token(),
+            ModelConfig::DeepseekV3(c) => c.kv_elems_per_token(),
+        }
+    }
+
+    pub fn max_position_embeddings(&self) -> usize {
+        match self {
+            ModelConfig::Mixtral(c) => c.max_position_embeddings,
+            ModelConfig::DeepseekV3(c) => c.max_position_embeddings,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Mixtral(c) => c.vocab_size,
+            ModelConfig::DeepseekV3(c) => c.vocab_size,
+        }
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            ModelConfig::Mixtral(c) => c.hidden_size,
+            ModelConfig::DeepseekV3(c) => c.hidden_size,
+        }
+    }
+
     /// The Hugging Face architecture name.
     pub fn architecture(&self) -> &'static str {
         match self {
@@ -100,6 +192,84 @@ fn architecture_of(value: &Value, path: &Path) -> Result<String> {
             "neither `architectures` nor `model_type` is set",
         )),
     }
+}
+
+/// A float field the model uses as f32: it must be finite and positive *as an f32* (1e300 is a
+/// finite f64 but an infinite f32; 1e-300 rounds to 0).
+fn positive_f32(name: &str, value: f64) -> std::result::Result<f32, String> {
+    let v = value as f32;
+    if !(value.is_finite() && v.is_finite() && v > 0.0) {
+        return Err(format!(
+            "{name} must be positive and finite as an f32 (the precision it is used in), got {value}"
+        ));
+    }
+    Ok(v)
+}
+
+/// Token ids are u32: the vocabulary must fit them, and every `bos_token_id` / `eos_token_id` must
+/// name one of its tokens.
+fn check_token_ids(
+    vocab_size: usize,
+    bos: Option<u32>,
+    eos: &[u32],
+) -> std::result::Result<(), String> {
+    if vocab_size > u32::MAX as usize {
+        return Err(format!(
+            "vocab_size {vocab_size} exceeds the range of u32 token ids"
+        ));
+    }
+    let in_vocab = |id: u32| (id as usize) < vocab_size;
+    if let Some(id) = bos.filter(|&id| !in_vocab(id)) {
+        return Err(format!(
+            "bos_token_id {id} is outside the vocabulary (vocab_size {vocab_size})"
+        ));
+    }
+    if let Some(id) = eos.iter().copied().find(|&id| !in_vocab(id)) {
+        return Err(format!(
+            "eos_token_id {id} is outside the vocabulary (vocab_size {vocab_size})"
+        ));
+    }
+    Ok(())
+}
+
+/// The weights a config describes, counted in elements (checked: every product and sum is an
+/// [`fmoe_core::Error::SizeOverflow`] naming the fields when it does not fit `usize`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightCounts {
+    /// Everything but the routed and shared experts: embeddings, attention, norms, router gates,
+    /// dense MLPs, lm_head.
+    pub dense: usize,
+    /// The MoE experts (routed and shared), which fp8 checkpoints store as e4m3.
+    pub experts: usize,
+}
+
+impl WeightCounts {
+    pub fn total(&self) -> fmoe_core::Result<usize> {
+        fmoe_core::checked_sum(
+            "weight elements",
+            &[("dense", self.dense), ("experts", self.experts)],
+        )
+    }
+}
+
+/// Checks that every size a model derives from its config fits: the weights (as f32, the
+/// widest form a layer holds), and the KV cache of a full context (f32 rows).
+fn check_model_sizes(
+    counts: fmoe_core::Result<WeightCounts>,
+    kv_elems_per_token: fmoe_core::Result<usize>,
+    max_position_embeddings: usize,
+) -> fmoe_core::Result<()> {
+    let total = counts?.total()?;
+    fmoe_core::checked_bytes("weights as f32", total, 4)?;
+    let kv = fmoe_core::checked_product(
+        "KV cache of a full context as f32",
+        &[
+            ("elements per token", kv_elems_per_token?),
+            ("max_position_embeddings", max_position_embeddings),
+        ],
+    )?;
+    fmoe_core::checked_bytes("KV cache of a full context as f32", kv, 4)?;
+    Ok(())
 }
 
 /// `eos_token_id`: one id or a list.

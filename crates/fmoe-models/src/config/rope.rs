@@ -64,8 +64,20 @@ impl RopeConfig {
             .and_then(|p| p.rope_theta)
             .or(rope_theta)
             .unwrap_or(default_theta);
-        if !(theta.is_finite() && theta > 0.0) {
-            return Err(format!("rope_theta must be positive, got {theta}"));
+        // Rotary runs in f32: θ must be a normal positive f32, and the largest angle, position ×
+        // inverse frequency (at most max(1, 1/θ): θ^(-2i/d) for 2i < d), must be finite there,
+        // or cos/sin become NaN (θ = 1e-300 is a positive f64 but 0 as an f32).
+        let theta32 = theta as f32;
+        if !(theta.is_finite() && theta > 0.0 && theta32.is_finite() && theta32.is_normal()) {
+            return Err(format!(
+                "rope_theta must be positive and finite as an f32 (the precision rotary runs in), got {theta}"
+            ));
+        }
+        let max_angle = max_position_embeddings as f64 * (1.0 / theta).max(1.0);
+        if !(max_angle as f32).is_finite() {
+            return Err(format!(
+                "rope_theta {theta}: rotary angles reach max_position_embeddings {max_position_embeddings} × 1/θ = {max_angle:e}, beyond f32"
+            ));
         }
         let kind = p.and_then(|p| p.rope_type.as_deref().or(p.type_.as_deref()));
         let scaling = match kind {
@@ -75,16 +87,54 @@ impl RopeConfig {
                 let factor = p
                     .factor
                     .ok_or("rope type yarn needs `factor`".to_string())?;
-                if !(factor.is_finite() && factor >= 1.0) {
-                    return Err(format!("yarn `factor` must be >= 1, got {factor}"));
+                if !(factor.is_finite() && (factor as f32).is_finite() && factor >= 1.0) {
+                    return Err(format!(
+                        "yarn `factor` must be >= 1 and finite, got {factor}"
+                    ));
+                }
+                // The correction dims divide by ln θ.
+                if theta == 1.0 {
+                    return Err("rope type yarn needs rope_theta != 1".into());
+                }
+                let (beta_fast, beta_slow) =
+                    (p.beta_fast.unwrap_or(32.0), p.beta_slow.unwrap_or(1.0));
+                for (name, v) in [("beta_fast", beta_fast), ("beta_slow", beta_slow)] {
+                    // ln(original / (β · 2π)) needs β > 0.
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(format!("yarn `{name}` must be positive, got {v}"));
+                    }
+                }
+                for (name, v) in [
+                    ("mscale", p.mscale),
+                    ("mscale_all_dim", p.mscale_all_dim),
+                    ("attention_factor", p.attention_factor),
+                ] {
+                    if let Some(v) = v.filter(|v| !(v.is_finite() && (*v as f32).is_finite())) {
+                        return Err(format!("yarn `{name}` must be finite, got {v}"));
+                    }
+                }
+                let af = crate::layers::rotary::yarn_attention_factor(
+                    factor,
+                    p.mscale,
+                    p.mscale_all_dim,
+                    p.attention_factor,
+                );
+                if !((af as f32).is_finite() && af > 0.0) {
+                    return Err(format!(
+                        "yarn's attention factor (from factor, mscale, mscale_all_dim, attention_factor) must be positive and finite as an f32, got {af}"
+                    ));
+                }
+                let original = p
+                    .original_max_position_embeddings
+                    .unwrap_or(max_position_embeddings);
+                if original == 0 {
+                    return Err("yarn `original_max_position_embeddings` must be positive".into());
                 }
                 RopeScaling::Yarn {
                     factor,
-                    original_max_position_embeddings: p
-                        .original_max_position_embeddings
-                        .unwrap_or(max_position_embeddings),
-                    beta_fast: p.beta_fast.unwrap_or(32.0),
-                    beta_slow: p.beta_slow.unwrap_or(1.0),
+                    original_max_position_embeddings: original,
+                    beta_fast,
+                    beta_slow,
                     mscale: p.mscale,
                     mscale_all_dim: p.mscale_all_dim,
                     attention_factor: p.attention_factor,

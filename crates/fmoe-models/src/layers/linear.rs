@@ -25,6 +25,29 @@ pub enum WeightScale {
     Block { scale_inv: Vec<f32>, block: usize },
 }
 
+/// fp8 weight scales (`weight_scale`, every value of a `weight_scale_inv`) multiply the codes:
+/// each must be finite and positive, or the layer's output is silently zero, negated or NaN.
+/// Dense layers and MoE experts check theirs with this at load. `name` is the weight, `what`
+/// the scale's kind.
+pub fn check_scales(op: &'static str, name: &str, what: &str, scales: &[f32]) -> Result<()> {
+    if let Some((i, s)) = scales
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !(s.is_finite() && **s > 0.0))
+    {
+        let at = if scales.len() == 1 {
+            String::new()
+        } else {
+            format!(" at flat index {i}")
+        };
+        return Err(Error::input(
+            op,
+            format!("`{name}`: {what} must be finite and positive, got {s}{at}"),
+        ));
+    }
+    Ok(())
+}
+
 /// `y = x·Wᵀ` with W [out, in].
 #[derive(Clone, Debug)]
 pub struct Linear {
@@ -51,12 +74,7 @@ impl Linear {
             }
             WeightScale::PerTensor(s) => {
                 weight.expect_dtype("Linear::new", &name, &[DType::F8E4M3])?;
-                if !(s.is_finite() && *s > 0.0) {
-                    return Err(Error::input(
-                        "Linear::new",
-                        format!("`{name}`: weight_scale must be finite and positive, got {s}"),
-                    ));
-                }
+                check_scales("Linear::new", &name, "weight_scale", &[*s])?;
             }
             WeightScale::Block { scale_inv, block } => {
                 weight.expect_dtype("Linear::new", &name, &[DType::F8E4M3])?;
@@ -73,6 +91,7 @@ impl Linear {
                         ),
                     ));
                 }
+                check_scales("Linear::new", &name, "weight_scale_inv", scale_inv)?;
             }
         }
         Ok(Linear {
@@ -293,16 +312,21 @@ fn tiles(x: &[f32], rows: usize, k: usize, w: &[f32], nb: usize, out: &mut [f32]
     }
 }
 
-/// Dot product in f32 (AVX2/FMA when the CPU has them).
+/// Dot product in f32 (AVX2/FMA when the CPU has them) over the first `min(a.len(), b.len())`
+/// elements, as `a.iter().zip(b)` would pair them.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_tile::<1, 1>([a], [b])[0][0]
 }
 
-/// All R×C dot products of `x` rows with `w` rows (equal lengths).
+/// All R×C dot products of `x` rows with `w` rows, each over the shortest row's length (callers
+/// pass rows of equal length; any lengths are sound).
 fn dot_tile<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C]) -> [[f32; C]; R] {
+    let k = x.iter().chain(&w).map(|r| r.len()).min().unwrap_or(0);
+    let (x, w) = (x.map(|r| &r[..k]), w.map(|r| &r[..k]));
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        // SAFETY: the CPU has AVX2 and FMA (checked just above), which is all `avx2::dot_tile`
+        // needs; its loads are in bounds for rows of any equal length, which they are here.
         return unsafe { avx2::dot_tile(x, w) };
     }
     dot_tile_portable(x, w)
@@ -342,24 +366,26 @@ fn dot_tile_portable<const R: usize, const C: usize>(
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// R×C dot products, 8 lanes at a time with FMA; the `k % 8` tail in scalar.
+    /// R×C dot products, 8 lanes at a time with FMA; the `k % 8` tail in scalar. Every row is
+    /// read over the shortest row's length `k`, so the loads stay in bounds whatever the lengths.
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn dot_tile<const R: usize, const C: usize>(
         x: [&[f32]; R],
         w: [&[f32]; C],
     ) -> [[f32; C]; R] {
-        let k = x[0].len();
+        let k = x.iter().chain(&w).map(|r| r.len()).min().unwrap_or(0);
         let k8 = k - k % 8;
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut p = 0;
         while p < k8 {
             let mut wv = [_mm256_setzero_ps(); C];
             for c in 0..C {
-                // SAFETY: p + 8 <= k8 <= len of every row.
+                // SAFETY: p + 8 <= k8 <= k, and k is the length of the shortest row, so the 8
+                // floats from p are inside w[c] (an unaligned load needs no more).
                 wv[c] = unsafe { _mm256_loadu_ps(w[c].as_ptr().add(p)) };
             }
             for r in 0..R {
-                // SAFETY: as above.
+                // SAFETY: as above, for x[r].
                 let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(p)) };
                 for c in 0..C {
                     acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -509,6 +535,50 @@ mod tests {
         )
         .unwrap();
         close(&lin.forward(&x, rows).unwrap(), &want, 1e-5);
+    }
+
+    #[test]
+    fn dot_of_unequal_rows_pairs_the_common_prefix() {
+        // The AVX2 path used to read every row with the first row's length: b shorter than a
+        // was read out of bounds. Now any lengths are sound and pair like zip.
+        let a: Vec<f32> = (0..1000).map(|i| (i % 7) as f32 - 3.0).collect();
+        let b: Vec<f32> = (0..13).map(|i| (i % 5) as f32 - 2.0).collect();
+        let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        assert_eq!(dot(&a, &b), want);
+        assert_eq!(dot(&b, &a), want);
+        assert_eq!(dot(&a, &[]), 0.0);
+        let exact: f32 = a.iter().map(|x| x * x).sum();
+        assert_eq!(dot(&a, &a), exact);
+    }
+
+    #[test]
+    fn bad_fp8_scales_are_refused_naming_the_weight() {
+        let q = Tensor::from_f32(&[1.0; 6], [2, 3], DType::F8E4M3, &Device::Cpu).unwrap();
+        for s in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let e = Linear::new("dense.weight", q.clone(), WeightScale::PerTensor(s))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("dense.weight") && e.contains("weight_scale"),
+                "{e}"
+            );
+            let e = Linear::new(
+                "blocked.weight",
+                q.clone(),
+                WeightScale::Block {
+                    scale_inv: vec![1.0, s],
+                    block: 2,
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                e.contains("blocked.weight")
+                    && e.contains("weight_scale_inv")
+                    && e.contains("index 1"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

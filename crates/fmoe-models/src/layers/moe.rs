@@ -7,6 +7,7 @@ use fmoe_core::{DType, Device, Tensor};
 use fmoe_moe::{ActScales, CheckpointExperts, QuantScheme};
 
 use crate::config::{ActivationScheme, QuantizationConfig};
+use crate::layers::linear::check_scales;
 use crate::loader::Vb;
 use crate::{Error, Result};
 
@@ -125,7 +126,8 @@ pub fn load_single_expert(
     )
 }
 
-/// Stacks the experts at `experts` (one cursor each); `label` names them in logs.
+/// Stacks the experts at `experts` (one cursor each); `label` names them in logs. fp8 scales are
+/// checked as dense layers check theirs ([`check_scales`]): finite and positive.
 fn load_expert_stack(
     experts: &[Vb],
     label: &str,
@@ -135,6 +137,7 @@ fn load_expert_stack(
     quant: &QuantizationConfig,
 ) -> Result<CheckpointExperts> {
     const FLOATS: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+    const OP: &str = "load_experts";
     if let QuantizationConfig::Fp8Block {
         activation_scheme: ActivationScheme::Static,
         ..
@@ -166,9 +169,14 @@ fn load_expert_stack(
         match quant {
             QuantizationConfig::None => {}
             QuantizationConfig::Fp8PerTensor { .. } => {
-                s13.push(g.get_scalar("weight_scale")?);
-                s13.push(u.get_scalar("weight_scale")?);
-                s2.push(d.get_scalar("weight_scale")?);
+                let scale = |vb: &Vb| -> Result<f32> {
+                    let s = vb.get_scalar("weight_scale")?;
+                    check_scales(OP, &vb.name("weight"), "weight_scale", &[s])?;
+                    Ok(s)
+                };
+                s13.push(scale(&g)?);
+                s13.push(scale(&u)?);
+                s2.push(scale(&d)?);
             }
             QuantizationConfig::Fp8Block { block, .. } => {
                 if !inter.is_multiple_of(block[0]) {
@@ -180,9 +188,14 @@ fn load_expert_stack(
                 }
                 let gs = [inter.div_ceil(block[0]), hidden.div_ceil(block[1])];
                 let ds = [hidden.div_ceil(block[0]), inter.div_ceil(block[1])];
-                let sg = g.get("weight_scale_inv", &gs, &[DType::F32])?;
-                let su = u.get("weight_scale_inv", &gs, &[DType::F32])?;
-                let sd = d.get("weight_scale_inv", &ds, &[DType::F32])?;
+                let scale_inv = |vb: &Vb, dims: &[usize]| -> Result<Tensor> {
+                    let t = vb.get("weight_scale_inv", dims, &[DType::F32])?;
+                    check_scales(OP, &vb.name("weight"), "weight_scale_inv", &t.to_f32_vec()?)?;
+                    Ok(t)
+                };
+                let sg = scale_inv(&g, &gs)?;
+                let su = scale_inv(&u, &gs)?;
+                let sd = scale_inv(&d, &ds)?;
                 s13.push_tensor(Tensor::stack0(&[sg, su])?.reshape([2 * gs[0], gs[1]])?);
                 s2.push_tensor(sd);
             }

@@ -137,6 +137,23 @@ pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     }
 }
 
+/// YaRN's attention factor (cos and sin are scaled by it): `attention_factor` if given, else
+/// `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` when both are non-zero, else
+/// `mscale(factor, 1)`.
+pub(crate) fn yarn_attention_factor(
+    factor: f64,
+    mscale: Option<f64>,
+    mscale_all_dim: Option<f64>,
+    attention_factor: Option<f64>,
+) -> f64 {
+    attention_factor.unwrap_or(match (mscale, mscale_all_dim) {
+        (Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
+            yarn_mscale(factor, m) / yarn_mscale(factor, ma)
+        }
+        _ => yarn_mscale(factor, 1.0),
+    })
+}
+
 /// transformers' `_compute_yarn_parameters`: (inv_freq, attention_factor).
 fn yarn(cfg: &RopeConfig, dim: usize) -> (Vec<f32>, f64) {
     let RopeScaling::Yarn {
@@ -153,12 +170,7 @@ fn yarn(cfg: &RopeConfig, dim: usize) -> (Vec<f32>, f64) {
         return (default_inv_freq(cfg.theta, dim), 1.0);
     };
     let base = cfg.theta;
-    let attention_factor = attention_factor.unwrap_or(match (mscale, mscale_all_dim) {
-        (Some(m), Some(ma)) if m != 0.0 && ma != 0.0 => {
-            yarn_mscale(factor, m) / yarn_mscale(factor, ma)
-        }
-        _ => yarn_mscale(factor, 1.0),
-    });
+    let attention_factor = yarn_attention_factor(factor, mscale, mscale_all_dim, attention_factor);
     let orig = original_max_position_embeddings as f64;
     let correction_dim = |rot: f64| {
         dim as f64 * (orig / (rot * 2.0 * std::f64::consts::PI)).ln() / (2.0 * base.ln())
