@@ -88,7 +88,7 @@ fn greedy(prompt: &[u32], max_tokens: usize) -> Request {
     }
 }
 
-fn arrivals_under_pressure(name: &str) {
+fn arrivals_under_pressure(name: &str, target: Target) {
     let dir = common::fixture(name);
     let exp: Expected = common::read_expected(&dir);
     let steps = exp.greedy_ids[0].len();
@@ -105,7 +105,7 @@ fn arrivals_under_pressure(name: &str) {
     let num_blocks = longest.div_ceil(block_size) + 3;
     for scheme in QuantScheme::ALL {
         for family in KernelFamily::ALL {
-            let model = load_model_on(Target::Host, &dir, scheme, family);
+            let model = load_model_on(target, &dir, scheme, family);
             let mut engine =
                 Engine::new(model.clone(), None, config(num_blocks, block_size, 4, 8)).unwrap();
             let (ids, reasons) = run_arrivals(&mut engine, &reqs, 7);
@@ -120,8 +120,14 @@ fn arrivals_under_pressure(name: &str) {
             assert!(s.peak_blocks <= num_blocks);
             assert!(reasons.iter().all(|r| *r == FinishReason::Length));
             // Per-tensor fp8 scales its activations by the whole batch's amax: its tokens may
-            // depend on what else is in the step, so only its lengths are checked here.
-            if scheme == QuantScheme::Fp8PerTensor {
+            // depend on what else is in the step, so only its lengths are checked here. On CUDA
+            // the GEMM tiles change with the batch too (bf16 rounding apart, the same sums):
+            // there the unquantized path is held to equality.
+            let exact = match target {
+                Target::Cuda => scheme == QuantScheme::Unquantized,
+                _ => scheme != QuantScheme::Fp8PerTensor,
+            };
+            if !exact {
                 assert!(ids.iter().all(|t| t.len() == steps));
                 continue;
             }
@@ -134,7 +140,7 @@ fn arrivals_under_pressure(name: &str) {
                     &ids[i], want,
                     "{scheme}/{family} request {i}: batched vs alone"
                 );
-                if scheme == QuantScheme::Unquantized {
+                if scheme == QuantScheme::Unquantized && target == Target::Host {
                     let p = i % exp.prompt_ids.len();
                     assert_eq!(ids[i], exp.greedy_ids[p], "request {i}: vs transformers");
                 }
@@ -145,12 +151,21 @@ fn arrivals_under_pressure(name: &str) {
 
 #[test]
 fn mixtral_arrivals_under_pressure_match_alone_and_transformers() {
-    arrivals_under_pressure("tiny-mixtral");
+    arrivals_under_pressure("tiny-mixtral", Target::Host);
 }
 
 #[test]
 fn deepseek_v3_arrivals_under_pressure_match_alone_and_transformers() {
-    arrivals_under_pressure("tiny-deepseek-v3");
+    arrivals_under_pressure("tiny-deepseek-v3", Target::Host);
+}
+
+#[test]
+fn cuda_arrivals_under_pressure_match_alone() {
+    if !common::cuda_or_skip() {
+        return;
+    }
+    arrivals_under_pressure("tiny-mixtral", Target::Cuda);
+    arrivals_under_pressure("tiny-deepseek-v3", Target::Cuda);
 }
 
 fn tiny(dir: &Path) -> Arc<dyn CausalLm> {
