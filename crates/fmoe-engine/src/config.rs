@@ -122,6 +122,8 @@ impl EngineArgs {
         let backend = fmoe_core::cuda::cuda_backend(ordinal)?;
         let info = model.info();
         let tokens = tokens.min(info.max_position_embeddings).max(1);
+        // What earlier models and pools freed must not count as this one's peak.
+        backend.trim_pool()?;
         profile_pass(model, tokens)?;
         backend.synchronize()?;
         let (free, total) = backend.memory_info()?;

@@ -154,6 +154,24 @@ impl CudaBackend {
         result::mem_get_info().map_err(|e| cuda_error("CudaBackend::memory_info", e))
     }
 
+    /// Waits for the stream, then returns the memory its pool keeps for reuse (freed blocks) to
+    /// the driver, so that [`Self::memory_info`] counts only live allocations.
+    pub fn trim_pool(&self) -> Result<()> {
+        self.synchronize()?;
+        if !self.stream_ordered_pool {
+            return Ok(());
+        }
+        let op = "CudaBackend::trim_pool";
+        self.context.bind_to_thread().map_err(|e| cuda_error(op, e))?;
+        // SAFETY: the pool is the device's current memory pool, from the driver for a live
+        // context; trimming releases only memory no allocation holds.
+        unsafe {
+            let pool = result::device::get_mem_pool(self.context.cu_device())
+                .map_err(|e| cuda_error(op, e))?;
+            result::mem_pool::trim_to(pool, 0).map_err(|e| cuda_error(op, e))
+        }
+    }
+
     /// Waits for all work issued so far on [`Self::stream`]; reports errors of earlier
     /// asynchronous work (e.g. a faulting kernel).
     pub fn synchronize(&self) -> Result<()> {
