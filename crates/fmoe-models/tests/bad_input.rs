@@ -334,6 +334,15 @@ fn config_values_used_as_f32_are_validated_as_f32() {
             "mscale",
         ),
         (
+            // Found by the fuzzer: ln(original / (β · 2π)) = +inf made every inv_freq NaN.
+            "tiny-deepseek-v3",
+            Box::new(|c| {
+                c["rope_parameters"]["beta_fast"] = 1e-300.into();
+                c["rope_parameters"]["original_max_position_embeddings"] = u64::MAX.into();
+            }),
+            "correction dimension",
+        ),
+        (
             "tiny-deepseek-v3",
             Box::new(|c| c["rope_parameters"]["factor"] = 1e39.into()),
             "factor",
