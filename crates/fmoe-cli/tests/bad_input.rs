@@ -148,7 +148,7 @@ fn write_safetensors(path: &Path, tensors: &[(String, Stored)]) {
         );
     }
     let mut h = Value::Object(header).to_string().into_bytes();
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut f = std::fs::File::create(path).unwrap();

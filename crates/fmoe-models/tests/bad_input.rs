@@ -251,6 +251,9 @@ fn encode_limits_bound_input_normalized_text_and_tokens() {
     assert!(!big.encode("a", false).unwrap().is_empty());
 }
 
+/// An edit of a fixture's config.json.
+type Edit = Box<dyn FnOnce(&mut serde_json::Value)>;
+
 fn parse(text: &str) -> fmoe_models::Result<ModelConfig> {
     ModelConfig::from_json_str(text, Path::new("config.json"))
 }
@@ -286,7 +289,7 @@ fn weight_counts_equal_the_fixture_checkpoints() {
 
 #[test]
 fn config_values_used_as_f32_are_validated_as_f32() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &str)> = vec![
+    let cases: Vec<(&str, Edit, &str)> = vec![
         (
             "tiny-mixtral",
             Box::new(|c| c["rms_norm_eps"] = 1e300.into()),
@@ -359,7 +362,7 @@ fn config_values_used_as_f32_are_validated_as_f32() {
 
 #[test]
 fn config_sizes_and_token_ids_are_checked() {
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut serde_json::Value)>, &[&str])> = vec![
+    let cases: Vec<(&str, Edit, &[&str])> = vec![
         (
             "tiny-mixtral",
             Box::new(|c| {

@@ -403,8 +403,11 @@ fn shard_value() -> impl Strategy<Value = Value> {
     ]
 }
 
-/// An index edit: a listed tensor refiled (`Some`) or dropped (`None`), or a new name filed.
-fn index_edits() -> impl Strategy<Value = (Vec<(usize, Option<Value>)>, Vec<(String, Value)>, u8)> {
+/// Edits of an index: listed tensors refiled (`Some`) or dropped (`None`), new names filed, and
+/// the index's overall form (0 and 4..: a `weight_map` object).
+type IndexEdits = (Vec<(usize, Option<Value>)>, Vec<(String, Value)>, u8);
+
+fn index_edits() -> impl Strategy<Value = IndexEdits> {
     (
         proptest::collection::vec((any::<usize>(), proptest::option::of(shard_value())), 0..4),
         proptest::collection::vec(("[a-z.]{1,8}", shard_value()), 0..2),
