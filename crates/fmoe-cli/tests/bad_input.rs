@@ -6,98 +6,24 @@
 //! without bound (or try to) now has to fail cleanly under that cap: its peak memory is below
 //! 1 GiB. Runs that could hang (a FIFO) have a deadline.
 
-use std::io::{Read, Write};
+mod common;
+
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+
+use common::{describe, run_with};
 
 use fmoe_core::{DType, Device, F8E4M3, Tensor};
 use serde_json::{Value, json};
 use tempfile::TempDir;
 
-/// The address-space cap of every run, KiB.
-const LIMIT_KIB: u64 = 1 << 20;
-/// The longest a run may take.
-const DEADLINE: Duration = Duration::from_secs(120);
-
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-mixtral")
 }
 
-/// `fmoe args…` under the memory cap, with `stdout` as its standard output (None: captured),
-/// killed after [`DEADLINE`].
-fn run_with(args: &[&str], env: &[(&str, &str)], stdout: Option<Stdio>) -> Output {
-    let mut cmd = Command::new("sh");
-    cmd.arg("-c")
-        .arg(format!("ulimit -v {LIMIT_KIB} && exec \"$0\" \"$@\""))
-        .arg(env!("CARGO_BIN_EXE_fmoe"))
-        .args(args);
-    for var in [
-        "FMOE_USE_FUSED",
-        "FMOE_USE_FUSED_MOE",
-        "FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE",
-        "FMOE_DEV_PDL",
-        "RUST_LOG",
-        "RUST_BACKTRACE",
-    ] {
-        cmd.env_remove(var);
-    }
-    // Few malloc arenas: their reserved address space must not count against the cap.
-    cmd.env("MALLOC_ARENA_MAX", "2");
-    cmd.envs(env.iter().copied());
-    let captured = stdout.is_none();
-    cmd.stdin(Stdio::null())
-        .stdout(stdout.unwrap_or_else(Stdio::piped))
-        .stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run fmoe {args:?}: {e}"));
-    let mut out_pipe = child.stdout.take();
-    let mut err_pipe = child.stderr.take().unwrap();
-    let out_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        if let Some(p) = out_pipe.as_mut() {
-            let _ = p.read_to_end(&mut v);
-        }
-        v
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = err_pipe.read_to_end(&mut v);
-        v
-    });
-    let start = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if start.elapsed() > DEADLINE {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("fmoe {args:?} did not finish in {DEADLINE:?} (a hang)");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let stdout = out_reader.join().unwrap();
-    assert!(captured || stdout.is_empty());
-    Output {
-        status,
-        stdout,
-        stderr: err_reader.join().unwrap(),
-    }
-}
-
 fn run(args: &[&str]) -> Output {
     run_with(args, &[], None)
-}
-
-fn describe(args: &[&str], out: &Output) -> String {
-    format!(
-        "fmoe {args:?}: {}\n--- stdout ---\n{}--- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
 }
 
 /// Asserts the outcome of bad input: exit code 1 (not a panic's 101, not a signal), one stderr

@@ -479,9 +479,10 @@ fn weight_bytes(shape: &Shape, device: Device) -> Result<usize> {
     )?)
 }
 
-/// A lower bound of the bytes one batch of `m` tokens takes: the activations (f32 while made,
-/// bf16), the router logits, the routes, the layer's f32 intermediates (h = [routes, 2I], its
-/// SiLU⊙mul half, the output), and the f64 reference's copies of the input and output.
+/// The bytes one batch of `m` tokens takes at its peak, estimated: the activations (f32 while
+/// made, bf16, the f32 output, the f64 reference's input and output), the router logits, and per
+/// route its id and weight and the layer's f32 intermediates (h = [routes, 2I] and its SiLU⊙mul
+/// half).
 fn batch_bytes(shape: &Shape, m: usize) -> Result<usize> {
     let what = format!("bench moe {} --tokens {m}: bytes", shape.name);
     let (k, n, e, top_k) = (shape.hidden, shape.intermediate, shape.experts, shape.top_k);

@@ -549,6 +549,12 @@ pub(super) fn measure_ceilings(backend: &Arc<CudaBackend>) -> Result<Ceilings> {
     let device = backend.device();
     let n: usize = 1 << 31; // 4 GiB of bf16, as the peers script
     let bytes = (n * 2) as f64;
+    // Source and destination of the copy at once.
+    fmoe_core::memory::check_budget(
+        "measuring the bandwidth ceilings: two 4 GiB buffers (or pass --ceilings-json)",
+        2 * n * 2,
+        device,
+    )?;
     let a = elementwise::randn(&[n], DType::BF16, 1.0, 0xce11, &device)?;
     let Storage::Cuda(src) = a.storage() else {
         bail!("the ceiling buffer is not on the device");

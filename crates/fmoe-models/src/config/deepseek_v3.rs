@@ -363,6 +363,7 @@ impl DeepseekV3Config {
                     )?,
                 ),
                 ("norms", mul("norms", &[("hidden_size", h), ("", 2)])?),
+                ("kv_a_layernorm", self.kv_lora_rank),
             ],
         )?;
         let moe_layers = self.num_moe_layers();
@@ -375,12 +376,16 @@ impl DeepseekV3Config {
                 ("hidden_size", h),
             ],
         )?;
+        // The router gate [E, H] and its e_score_correction_bias [E] per MoE layer.
         let gates = mul(
             "router gate elements",
             &[
                 ("MoE layers", moe_layers),
                 ("n_routed_experts", self.n_routed_experts),
-                ("hidden_size", h),
+                (
+                    "hidden_size + bias",
+                    add("hidden_size + bias", &[("hidden_size", h), ("bias", 1)])?,
+                ),
             ],
         )?;
         let embed = mul(

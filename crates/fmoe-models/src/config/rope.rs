@@ -130,6 +130,17 @@ impl RopeConfig {
                 if original == 0 {
                     return Err("yarn `original_max_position_embeddings` must be positive".into());
                 }
+                // The correction dims are d · ln(original / (β · 2π)) / (2 ln θ): the logarithm
+                // must be finite, or the ramp between them is NaN.
+                for (name, beta) in [("beta_fast", beta_fast), ("beta_slow", beta_slow)] {
+                    let l = (original as f64 / (beta * 2.0 * std::f64::consts::PI)).ln();
+                    if !l.is_finite() {
+                        return Err(format!(
+                            "yarn `{name}` {beta} with original_max_position_embeddings {original}: \
+                             its correction dimension is not finite"
+                        ));
+                    }
+                }
                 RopeScaling::Yarn {
                     factor,
                     original_max_position_embeddings: original,
