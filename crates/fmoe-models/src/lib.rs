@@ -3,7 +3,7 @@
 //! - [`config`]: `config.json` as serde structs with Hugging Face's field names
 //!   ([`MixtralConfig`], [`DeepseekV3Config`]), accepting the transformers 4.x and 5.x layouts,
 //!   with `quantization_config` typed as [`QuantizationConfig`].
-//! - [`loader`]: safetensors checkpoints ([`Checkpoint`]: one file or shards, memory-mapped),
+//! - [`loader`]: safetensors checkpoints ([`Checkpoint`]: one file or shards, read with `pread`),
 //!   random [`DummyWeights`], and [`Vb`], the cursor model files load through by checkpoint name.
 //! - [`tokenizer`]: `tokenizer.json` ([`Tokenizer`]).
 //! - [`layers`]: what models share: linear/embedding, RMSNorm, rotary, attention, MoE blocks.
@@ -100,13 +100,24 @@ pub fn load(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         if n == 0 {
             return Err(Error::Options("num_layers must be positive".into()));
         }
-        match &mut config {
-            ModelConfig::Mixtral(cfg) => cfg.num_hidden_layers = n,
-            ModelConfig::DeepseekV3(cfg) => cfg.num_hidden_layers = n,
-        }
+        config = config.with_num_hidden_layers(n)?;
     }
     let tokenizer = Tokenizer::from_dir(dir)?;
     let device = opts.device;
+    // The stored weights must fit where the model runs (f32 copies of dense weights on the CPU
+    // come on top; the check is against the smaller, certain amount).
+    let arch = match &config {
+        ModelConfig::Mixtral(_) => "MixtralForCausalLM",
+        ModelConfig::DeepseekV3(_) => "DeepseekV3ForCausalLM",
+    };
+    fmoe_core::memory::check_budget(
+        &format!(
+            "the weights of {arch} ({} layers)",
+            config.num_hidden_layers()
+        ),
+        config.weight_bytes()?,
+        device,
+    )?;
     let model: Box<dyn CausalLm> = match &config {
         ModelConfig::Mixtral(cfg) => {
             let source = weight_source(dir, opts.format, cfg.dtype().ok().flatten(), device)?;

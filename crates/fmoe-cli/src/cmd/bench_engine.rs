@@ -257,8 +257,9 @@ fn base_row(bench: &'static str, e: &Engine, c: &Common, n: usize) -> Row {
 
 fn emit(rows: &[Row], json: &Option<PathBuf>) -> Result<()> {
     use std::io::Write;
+    let mut out = std::io::stdout().lock();
     for r in rows {
-        println!("{}", serde_json::to_string(r)?);
+        writeln!(out, "{}", serde_json::to_string(r)?).map_err(super::stdout_error)?;
     }
     if let Some(p) = json {
         let mut f = std::fs::OpenOptions::new()

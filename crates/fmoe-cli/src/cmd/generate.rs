@@ -1,6 +1,7 @@
 //! `fmoe generate`: load a model directory, generate from prompts, print the text and tokens/s
 //! (or, with `--json`, one JSON object as the last line of stdout).
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -247,14 +248,17 @@ pub fn run(args: Args) -> Result<()> {
                 block_size: config.block_size,
             },
         };
-        println!("{}", serde_json::to_string(&report)?);
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", serde_json::to_string(&report)?).map_err(super::stdout_error)?;
         return Ok(());
     }
+    let mut out = std::io::stdout().lock();
     for o in &g.outputs {
         match &o.text {
-            Some(t) => println!("{t}"),
-            None => println!("{:?}", o.token_ids),
+            Some(t) => writeln!(out, "{t}"),
+            None => writeln!(out, "{:?}", o.token_ids),
         }
+        .map_err(super::stdout_error)?;
     }
     eprintln!(
         "{} tokens in {:.3} s: {:.1} tokens/s (prefill {} tokens at {:.1} tokens/s, decode {:.1} tokens/s)",
