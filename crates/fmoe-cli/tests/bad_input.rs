@@ -403,7 +403,7 @@ fn dummy_weights_huge_vocab() {
     let dir = model_dir(|c| c["vocab_size"] = json!(1u64 << 31));
     bad(
         &generate_dummy_args(dir.path()),
-        &["model.embed_tokens.weight", "needs", "available"],
+        &["weights of MixtralForCausalLM", "needs", "available"],
     );
 }
 
@@ -412,7 +412,7 @@ fn dummy_weights_huge_intermediate_size() {
     let dir = model_dir(|c| c["intermediate_size"] = json!(1u64 << 36));
     bad(
         &generate_dummy_args(dir.path()),
-        &["experts.0", "needs", "available"],
+        &["weights of MixtralForCausalLM", "needs", "available"],
     );
 }
 
@@ -421,7 +421,7 @@ fn dummy_weights_huge_hidden_size() {
     let dir = model_dir(|c| c["hidden_size"] = json!(1u64 << 32));
     bad(
         &generate_dummy_args(dir.path()),
-        &["model.embed_tokens.weight", "needs", "available"],
+        &["weights of MixtralForCausalLM", "needs", "available"],
     );
 }
 
