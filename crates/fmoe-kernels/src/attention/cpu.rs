@@ -111,9 +111,11 @@ pub(super) fn causal_attention(
     out
 }
 
-/// Dot product in f32 (AVX2/FMA when the CPU has them). fmoe-models' `dot` (its 1×1 tile),
-/// reproduced operation for operation.
+/// Dot product in f32 (AVX2/FMA when the CPU has them) over the first `min(a.len(), b.len())`
+/// elements. fmoe-models' `dot` (its 1×1 tile), reproduced operation for operation.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -145,15 +147,15 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// 8 lanes at a time with FMA; the `k % 8` tail in scalar.
+    /// 8 lanes at a time with FMA; the `k % 8` tail in scalar (`k` the shorter length).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn dot(x: &[f32], w: &[f32]) -> f32 {
-        let k = x.len();
+        let k = x.len().min(w.len());
         let k8 = k - k % 8;
         let mut acc = _mm256_setzero_ps();
         let mut p = 0;
         while p < k8 {
-            // SAFETY: p + 8 <= k8 <= len of both rows.
+            // SAFETY: p + 8 <= k8 <= k, the length of the shorter row.
             let wv = unsafe { _mm256_loadu_ps(w.as_ptr().add(p)) };
             // SAFETY: as above.
             let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(p)) };
@@ -214,5 +216,16 @@ mod tests {
             assert_eq!(dot(&a, &b), want, "n={n}");
             assert_eq!(dot_portable(&a, &b), want, "n={n}");
         }
+    }
+
+    #[test]
+    fn dot_of_unequal_rows_stops_at_the_shorter() {
+        // A row past the other's end is never read: both orders give the dot of the common part.
+        let a: Vec<f32> = (0..40).map(|i| (i % 5) as f32 - 2.0).collect();
+        let b: Vec<f32> = (0..19).map(|i| (i % 3) as f32 * 0.5).collect();
+        let want = dot(&a[..19], &b);
+        assert_eq!(dot(&a, &b), want);
+        assert_eq!(dot(&b, &a), want);
+        assert_eq!(want, a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>());
     }
 }
