@@ -1,12 +1,13 @@
 //! CUDA twin of [`super::causal_attention`]: `cuda/attention_prefill.cu`, `cuda/attention_decode.cu`
 //! (both on the tile routine of `cuda/common/flash_attention.cuh`), compiled by [`crate::nvrtc`].
 //!
-//! A call is planned on the host ([`plan`](plan::plan), pure and unit-tested, in `plan.rs`),
-//! then runs as at most four launches on the backend's stream with no host synchronization: one
-//! metadata upload (the tile descriptors of both kernels and the lists of split tiles), the
-//! prefill kernel over its tiles, the decode kernel over its tiles, and `fmoe_attention_combine`
-//! for each kernel that split KV. See the module docs of [`super`] for the kernel-choice and
-//! split rules.
+//! A call is planned on the host ([`plan`](plan::plan) in `plan.rs`, pure and unit-tested), then
+//! runs as at most four launches on the backend's stream with no host synchronization: one
+//! metadata upload (the tile descriptors of both kernels, the lists of split tiles and, for paged
+//! K/V, the block tables), the prefill kernel over its tiles, the decode kernel over its tiles,
+//! and `fmoe_attention_combine` for each kernel that split KV. See the module docs of [`super`]
+//! for the kernel-choice and split rules. Paged K/V runs the `FMOE_ATTN_PAGED` build of each tile
+//! kernel (two more arguments: the block tables and the block size); the combine is shared.
 
 mod plan;
 
@@ -14,7 +15,7 @@ use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{CpuStorage, DType, Device, Error as CoreError};
 
-use super::{AttentionParams, SeqSpan};
+use super::{AttentionParams, KvPaging, SeqSpan};
 use crate::catalog::KernelVariant;
 use crate::launch::opt_in_smem;
 use crate::nvrtc;
@@ -62,12 +63,20 @@ fn dtype_code(dtype: DType) -> Option<u32> {
     }
 }
 
+/// The define of the tile kernels' paged build.
+fn paged_define() -> (&'static str, String) {
+    ("FMOE_ATTN_PAGED", "1".to_string())
+}
+
+/// A tile kernel's defines; [`paged_define`] last for the paged build (the contiguous build's
+/// defines, and so its program, are those without it).
 fn tile_defines(
     kind: Kind,
     dtype: u32,
     dq: usize,
     dv: usize,
     mi: usize,
+    paged: bool,
 ) -> Vec<(&'static str, String)> {
     let mut d = vec![
         ("FMOE_ATTN_DTYPE", dtype.to_string()),
@@ -77,11 +86,15 @@ fn tile_defines(
     if kind == Kind::Prefill {
         d.push(("MI", mi.to_string()));
     }
+    if paged {
+        d.push(paged_define());
+    }
     d
 }
 
 /// Every compiled variant: both kernels × bf16/f16 × (DQ, DV) with DV <= DQ (prefill with the
-/// [`prefill_mi`] of the widths), and the combine kernel per dtype.
+/// [`prefill_mi`] of the widths), and the combine kernel per dtype; then the tile kernels' paged
+/// builds (the combine serves both).
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
     for dtype in [1u32, 2] {
@@ -92,7 +105,7 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
                         family: kind.family(),
                         source: kind.source(),
                         entry: kind.entry(),
-                        defines: tile_defines(kind, dtype, dq, dv, prefill_mi(dq, dv)),
+                        defines: tile_defines(kind, dtype, dq, dv, prefill_mi(dq, dv), false),
                     });
                 }
             }
@@ -104,6 +117,15 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
             defines: vec![("FMOE_ATTN_DTYPE", dtype.to_string())],
         });
     }
+    let paged: Vec<KernelVariant> = v
+        .iter()
+        .filter(|k| k.entry != COMBINE_ENTRY)
+        .map(|k| KernelVariant {
+            defines: [k.defines.clone(), vec![paged_define()]].concat(),
+            ..k.clone()
+        })
+        .collect();
+    v.extend(paged);
     v
 }
 
@@ -123,19 +145,21 @@ pub(super) fn dtype_supported(op: &'static str, device: Device, dtype: DType) ->
 }
 
 /// A call's launch plan, independent of the data: padded widths, the prefill kernel's row tiles
-/// per warp, both kernels' tile plans and their metadata, uploaded (nothing when no span has a
-/// query).
+/// per warp, both kernels' tile plans and their metadata (with the block tables of paged K/V),
+/// uploaded (nothing when no span has a query).
 #[derive(Debug)]
 pub(crate) struct Prepared {
     dq: usize,
     dv: usize,
     mi: usize,
     plans: [TilePlan; 2],
-    /// [prefill desc | decode desc | prefill split list | decode split list]; `None` when the
-    /// spans cover no query row.
+    /// [prefill desc | decode desc | prefill split list | decode split list | block tables];
+    /// `None` when the spans cover no query row.
     meta: Option<CudaStorage>,
     desc_at: [usize; 2],
     list_at: [usize; 2],
+    /// Paged K/V: where the block tables start in `meta` (in u32 words) and the block size.
+    paged: Option<(usize, u32)>,
     /// q rows the spans cover.
     covered: usize,
 }
@@ -169,12 +193,14 @@ fn run(
 ) -> Result<CudaStorage> {
     dtype_supported(op, q.device(), q.dtype())?;
     let kv_rows = k.len() / (p.num_kv_heads * p.qk_dim);
-    let prep = prepare(op, q.device(), rows, kv_rows, spans, p, mi_override)?;
+    let prep = prepare(op, q.device(), rows, kv_rows, spans, p, None, mi_override)?;
     launch(op, q, k, v, rows, p, &prep)
 }
 
-/// Plans a call over `rows` q rows and `kv_rows` k/v rows (validated spans) on `device` and
-/// uploads its metadata (one host-to-device copy, no synchronization).
+/// Plans a call over `rows` q rows and `kv_rows` k/v rows (validated spans, paged through
+/// `paging` when given) on `device` and uploads its metadata (one host-to-device copy, no
+/// synchronization).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn prepare(
     op: &'static str,
     device: Device,
@@ -182,6 +208,7 @@ pub(super) fn prepare(
     kv_rows: usize,
     spans: &[SeqSpan],
     p: &AttentionParams,
+    paging: Option<&KvPaging>,
     mi_override: Option<usize>,
 ) -> Result<Prepared> {
     let (qk_dim, v_dim) = (p.qk_dim, p.v_dim);
@@ -204,6 +231,20 @@ pub(super) fn prepare(
             rows.saturating_mul(group),
         ),
         ("num_heads · v_dim", p.num_heads * dv.max(dq)),
+        // Contiguous spans stay inside the k/v rows; paged ones only inside their tables.
+        (
+            "positions (past + q_len)",
+            spans
+                .iter()
+                .map(|s| s.past.saturating_add(s.q_len))
+                .max()
+                .unwrap_or(0),
+        ),
+        (
+            "block table entries",
+            paging.map_or(0, |pg| pg.block_tables.len()),
+        ),
+        ("block_size", paging.map_or(0, |pg| pg.block_size)),
     ]
     .into_iter()
     .find(|&(_, n)| n >= INDEX_LIMIT);
@@ -236,6 +277,12 @@ pub(super) fn prepare(
         list_at[i] = meta.len();
         meta.extend_from_slice(&pl.split_tiles);
     }
+    // Sizes were checked against INDEX_LIMIT above.
+    let paged = paging.map(|pg| {
+        let at = meta.len();
+        meta.extend_from_slice(&pg.block_tables);
+        (at, pg.block_size as u32)
+    });
     let meta = if covered == 0 {
         None
     } else {
@@ -249,6 +296,7 @@ pub(super) fn prepare(
         meta,
         desc_at,
         list_at,
+        paged,
         covered,
     })
 }
@@ -275,6 +323,7 @@ pub(super) fn launch(
         ref meta,
         desc_at,
         list_at,
+        paged,
         covered,
     } = *prep;
     let backend = q.backend();
@@ -312,7 +361,7 @@ pub(super) fn launch(
         } else {
             None
         };
-        let defines = tile_defines(kind, code, dq, dv, mi);
+        let defines = tile_defines(kind, code, dq, dv, mi, paged.is_some());
         let f = nvrtc::load(
             backend,
             kind.family(),
@@ -359,11 +408,18 @@ pub(super) fn launch(
             .arg(&v32)
             .arg(&scale_log2)
             .arg(&window);
+        let tables = paged.map(|(at, bs)| (meta.buffer().slice(at * 4..), bs));
+        if let Some((tables, bs)) = &tables {
+            b.arg(tables).arg(bs);
+        }
         // SAFETY: the arguments match `fmoe_attention_{prefill,decode}` in order and type (six
-        // pointers, the descriptor pointer, four u32, f32, u32). q/k/v/out hold [rows, heads·qk],
-        // [kv_rows, kv_heads·qk], [kv_rows, kv_heads·v], [rows, heads·v] elements of the dtype
-        // compiled for; every descriptor was built by `plan` from spans validated in bounds, with
-        // qk_dim <= DQ, v_dim <= DV, both multiples of 8, and the buffers start 256-byte aligned.
+        // pointers, the descriptor pointer, four u32, f32, u32; the paged build, loaded exactly
+        // when `paged` is set, then the block-table pointer and the u32 block size). q/k/v/out
+        // hold [rows, heads·qk], [kv_rows, kv_heads·qk], [kv_rows, kv_heads·v], [rows, heads·v]
+        // elements of the dtype compiled for; every descriptor was built by `plan` from spans
+        // validated in bounds (paged: each span's table slice inside the uploaded tables, every
+        // block id in it below kv_rows / block_size), with qk_dim <= DQ, v_dim <= DV, both
+        // multiples of 8, and the buffers start 256-byte aligned.
         // A tile with nsplit > 1 writes slots ws_slot.. < pl.slots of the workspace (allocated
         // for them; never touched when it is null, since every nsplit is then 1). The dynamic
         // shared memory is the kernel's smem_bytes, opted in above 48 KiB.
@@ -426,11 +482,12 @@ mod tests {
         for q in (8..=256).step_by(8) {
             for d in (8..=256).step_by(8) {
                 let (dq, dv) = padded(q, d).unwrap();
-                for kind in Kind::ALL {
+                for (kind, paged) in Kind::ALL.into_iter().flat_map(|k| [(k, false), (k, true)]) {
+                    let defines = tile_defines(kind, 1, dq, dv, prefill_mi(dq, dv), paged);
                     assert!(
-                        v.iter().any(|x| x.entry == kind.entry()
-                            && x.defines == tile_defines(kind, 1, dq, dv, prefill_mi(dq, dv))),
-                        "{q}/{d}"
+                        v.iter()
+                            .any(|x| x.entry == kind.entry() && x.defines == defines),
+                        "{q}/{d} paged {paged}"
                     );
                 }
             }
@@ -528,6 +585,7 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         println!("  MI=1 vs MI=2 max |diff| = {diff:.3e}");
+        paged_vs_contiguous(&backend, "prefill", (&q, &k, &v), t, &spans, &p, 10);
         // (b) decode.
         let (b, ctx) = (8usize, 4096usize);
         let (q, k, v) = (
@@ -548,6 +606,84 @@ mod tests {
             bytes / s / 1e12,
             bytes / s / 4.8e12 * 100.0,
             bytes / 4.8e12 * 1e6
+        );
+        paged_vs_contiguous(&backend, "decode", (&q, &k, &v), b, &spans, &p, 50);
+        // (c) MLA widths (DeepSeek-V3's 192/128, a kv head per head), paged against contiguous.
+        let (h, dq, dv) = (16usize, 192usize, 128usize);
+        let p = AttentionParams {
+            num_heads: h,
+            num_kv_heads: h,
+            qk_dim: dq,
+            v_dim: dv,
+            scale: 1.0 / (dq as f32).sqrt(),
+            sliding_window: None,
+        };
+        let (q, k, v) = (
+            rnd(t, h * dq, 7),
+            rnd(b * ctx, h * dq, 8),
+            rnd(b * ctx, h * dv, 9),
+        );
+        let (q, k, v) = (cs(&q), cs(&k), cs(&v));
+        let what = format!("MLA h={h} d={dq}/{dv} prefill T={t}");
+        paged_vs_contiguous(
+            &backend,
+            &what,
+            (&q, &k, &v),
+            t,
+            &[span(0, t, 0, 0)],
+            &p,
+            10,
+        );
+        let what = format!("MLA h={h} d={dq}/{dv} decode B={b} ctx={ctx}");
+        paged_vs_contiguous(&backend, &what, (&q, &k, &v), b, &spans, &p, 50);
+    }
+
+    /// Prints the planned call's time on contiguous spans and on the same spans paged in blocks of
+    /// 16 rows of the same k/v, in order and shuffled (kernels only: every plan is made once).
+    fn paged_vs_contiguous(
+        backend: &fmoe_core::cuda::CudaBackend,
+        what: &str,
+        (q, k, v): (&CudaStorage, &CudaStorage, &CudaStorage),
+        rows: usize,
+        spans: &[SeqSpan],
+        p: &AttentionParams,
+        reps: usize,
+    ) {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
+        let (bs, dev) = (16, q.device());
+        let kv_rows = k.len() / (p.num_kv_heads * p.qk_dim);
+        let in_order: Vec<u32> = (0..(kv_rows / bs) as u32).collect();
+        let mut shuffled = in_order.clone();
+        shuffled.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(7));
+        // Each sequence's table is its own slice of the one list of all blocks.
+        let paged: Vec<SeqSpan> = spans
+            .iter()
+            .map(|s| SeqSpan {
+                kv_start: s.kv_start / bs,
+                ..*s
+            })
+            .collect();
+        let time = |sp: &[SeqSpan], pg: Option<Vec<u32>>| {
+            let pg = pg.map(|block_tables| KvPaging {
+                block_size: bs,
+                block_tables,
+            });
+            let prep = prepare("timing", dev, rows, kv_rows, sp, p, pg.as_ref(), None).unwrap();
+            time_calls(backend, reps, || {
+                drop(launch("timing", q, k, v, rows, p, &prep).unwrap())
+            })
+        };
+        let c = time(spans, None);
+        let (o, s) = (time(&paged, Some(in_order)), time(&paged, Some(shuffled)));
+        println!(
+            "  {what} planned: contiguous {:.1} us; paged in blocks of {bs}: in order {:.1} us \
+             ({:.3}x), shuffled {:.1} us ({:.3}x)",
+            c * 1e6,
+            o * 1e6,
+            o / c,
+            s * 1e6,
+            s / c
         );
     }
 }

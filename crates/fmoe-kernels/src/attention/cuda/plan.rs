@@ -256,6 +256,11 @@ mod tests {
         let [pre, dec] = plan(&spans, 4, 8, None, 132, 2);
         assert_eq!(pre.tiles(), 0);
         assert_eq!((dec.tiles(), dec.max_split, dec.slots), (8, 5, 40));
+        // The paged GPU test's decode batch, 8 x 4000 cached (kv_start: table offsets, which
+        // the plan only passes through): 5 splits on 132 SMs.
+        let spans: Vec<SeqSpan> = (0..8).map(|i| span(i, 1, i * 251, 4000)).collect();
+        let [_, dec] = plan(&spans, 4, 8, None, 132, 2);
+        assert_eq!((dec.tiles(), dec.max_split), (8, 5));
         // A 4096-token prefill has enough tiles: no split.
         let [pre, dec] = plan(&[span(0, 4096, 0, 0)], 4, 8, None, 132, 2);
         assert_eq!((pre.tiles(), pre.max_split, dec.tiles()), (128, 1, 0));
