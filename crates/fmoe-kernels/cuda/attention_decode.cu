@@ -6,7 +6,9 @@
 // them.
 //
 // Defines: FMOE_ATTN_DTYPE (1 = bf16, 2 = f16); for fmoe_attention_decode also DQ, DV (padded
-// widths, multiples of 16). Dynamic shared memory: fa::smem_bytes(16, DQ, DV, 4).
+// widths, multiples of 16) and FMOE_ATTN_PAGED=1 for paged K/V (two more parameters:
+// block_tables, block_size; the combine is the same for both). Dynamic shared memory:
+// fa::smem_bytes(16, DQ, DV, 4).
 
 #include "common/flash_attention.cuh"
 
@@ -21,9 +23,9 @@ extern "C" __global__ void __launch_bounds__(FA_THREADS)
 fmoe_attention_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
                       elem_t* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
                       const unsigned int* __restrict__ desc, unsigned int num_heads, unsigned int num_kv_heads,
-                      unsigned int qk_dim, unsigned int v_dim, float scale_log2, unsigned int window) {
-    fa::flash_tile<elem_t, DQ, DV, 1, 1, 4>(q, k, v, out, ws_acc, ws_ml, desc, num_heads, num_kv_heads, qk_dim,
-                                          v_dim, scale_log2, window);
+                      unsigned int qk_dim, unsigned int v_dim, float scale_log2, unsigned int window FA_PAGED_PARAMS) {
+    fa::flash_tile<elem_t, DQ, DV, 1, 1, 4, FA_PAGED>(q, k, v, out, ws_acc, ws_ml, desc, num_heads, num_kv_heads,
+                                                      qk_dim, v_dim, scale_log2, window, FA_PAGED_ARGS);
 }
 #endif
 

@@ -9,14 +9,22 @@
 //! up as NaN. Without a CUDA device the GPU tests print "skipping: <reason>" and pass, unless
 //! `FMOE_REQUIRE_CUDA=1`. The timing against torch's SDPA is
 //! `attention::cuda::tests::timing_vs_peer` (ignored) in the library's unit tests.
+//!
+//! The `paged_` tests (run them alone with the filter `paged_`) move each case's K/V into a
+//! block pool for `plan_attention_paged`: shuffled block ids, NaN in the unused blocks and in the
+//! slots past each sequence's end, out-of-range ids in the table entries between the spans'
+//! slices (never to be read), and two sequences sharing their prefix blocks. Paged must give the
+//! contiguous call's bits on either device, and paged CUDA must match the CPU twin.
 
 use fmoe_core::cuda::test_backend_or_skip;
 use fmoe_core::{DType, Device, Error as CoreError, Tensor};
 use fmoe_kernels::Error;
 use fmoe_kernels::attention::{
-    AttentionParams, SeqSpan, causal_attention, causal_attention_planned, plan_attention,
+    AttentionParams, KvPaging, SeqSpan, causal_attention, causal_attention_planned, plan_attention,
+    plan_attention_paged,
 };
 use rand::SeedableRng;
+use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 use rayon::prelude::*;
@@ -456,4 +464,274 @@ fn empty_batches_and_unsupported_inputs() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("`k`"), "{e}");
+}
+
+/// A case's K/V moved into a block pool: the paged spans (`kv_start` = first table entry), the
+/// tables, the pool's k and v rows, and what the layout holds (for the tests to assert).
+struct Paged {
+    spans: Vec<SeqSpan>,
+    paging: KvPaging,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    rows: usize,
+    /// Blocks the first two sequences share (their common prefix).
+    shared: usize,
+    /// Table entries (of blocks in use) whose id differs from their rank: the ids are shuffled.
+    moved: usize,
+}
+
+/// Pages `d` (its values already rounded to the test's dtype) in blocks of `bs`: with `share`,
+/// the second sequence's prefix is made equal to the first's (in `d` too, so the contiguous call
+/// sees the same K/V) for as many whole blocks as both hold, and both tables point at the same
+/// blocks.
+fn page(d: &mut Data, bs: usize, share: bool, seed: u64) -> Paged {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let (kw, vw) = (d.p.num_kv_heads * d.p.qk_dim, d.p.num_kv_heads * d.p.v_dim);
+    let kv_len = |s: &SeqSpan| s.past + s.q_len;
+    let shared = match d.spans.get(..2) {
+        Some([a, b]) if share => kv_len(a).min(kv_len(b)) / bs,
+        _ => 0,
+    };
+    if shared > 0 {
+        let (a, b) = (d.spans[0].kv_start, d.spans[1].kv_start);
+        d.k.copy_within(a * kw..(a + shared * bs) * kw, b * kw);
+        d.v.copy_within(a * vw..(a + shared * bs) * vw, b * vw);
+    }
+    let need: usize = d
+        .spans
+        .iter()
+        .map(|s| kv_len(s).div_ceil(bs))
+        .sum::<usize>()
+        - shared;
+    let blocks = need + 3; // three blocks no table uses
+    let mut ids: Vec<u32> = (0..blocks as u32).collect();
+    ids.shuffle(&mut rng);
+    let mut next = ids.into_iter();
+    let (mut tables, mut spans): (Vec<u32>, Vec<SeqSpan>) = (Vec::new(), Vec::new());
+    for (i, s) in d.spans.iter().enumerate() {
+        if i % 2 == 1 {
+            tables.push(u32::MAX); // an entry between two slices
+        }
+        let kv_start = tables.len();
+        for b in 0..kv_len(s).div_ceil(bs) {
+            let id = if i == 1 && b < shared {
+                tables[spans[0].kv_start + b]
+            } else {
+                next.next().unwrap()
+            };
+            tables.push(id);
+        }
+        spans.push(SeqSpan { kv_start, ..*s });
+    }
+    let rows = blocks * bs;
+    let (mut k, mut v) = (vec![f32::NAN; rows * kw], vec![f32::NAN; rows * vw]);
+    for (s, ps) in d.spans.iter().zip(&spans) {
+        for j in 0..kv_len(s) {
+            let row = tables[ps.kv_start + j / bs] as usize * bs + j % bs;
+            let src = s.kv_start + j;
+            k[row * kw..(row + 1) * kw].copy_from_slice(&d.k[src * kw..(src + 1) * kw]);
+            v[row * vw..(row + 1) * vw].copy_from_slice(&d.v[src * vw..(src + 1) * vw]);
+        }
+    }
+    let moved = tables
+        .iter()
+        .filter(|&&id| id != u32::MAX)
+        .enumerate()
+        .filter(|&(rank, &id)| id as usize != rank)
+        .count();
+    Paged {
+        spans,
+        paging: KvPaging {
+            block_size: bs,
+            block_tables: tables,
+        },
+        k,
+        v,
+        rows,
+        shared,
+        moved,
+    }
+}
+
+fn bits_equal(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// One paged case: the CPU twin on the paged plan gives the contiguous call's bits (and, unless
+/// `long`, the f64 reference within 1e-5); on CUDA (with `gpu`), the paged plan gives the
+/// contiguous CUDA call's bits on two uses and matches the paged CPU twin within `check`'s
+/// tolerance (both see the values rounded to `dtype`).
+#[allow(clippy::too_many_arguments)]
+fn check_paged(
+    c: &Case,
+    bs: usize,
+    share: bool,
+    dtype: DType,
+    seed: u64,
+    gpu: bool,
+    long: bool,
+) -> Result<(), String> {
+    let name = format!("{} block {bs} {dtype}", c.name);
+    let mut d = build(c, seed);
+    let round = |x: &[f32], rows| tensor(x, rows, dtype, Device::Cpu).to_f32_vec().unwrap();
+    d.q = round(&d.q, d.t);
+    d.k = round(&d.k, d.r);
+    d.v = round(&d.v, d.r);
+    let pg = page(&mut d, bs, share, seed + 1000);
+    if pg.moved == 0 || (share && pg.shared == 0) {
+        return Err(format!(
+            "{name}: the layout is not paged as meant ({} moved, {} shared)",
+            pg.moved, pg.shared
+        ));
+    }
+    let cpu = |x: &[f32], rows| tensor(x, rows, DType::F32, Device::Cpu);
+    let (q, k, v) = (cpu(&d.q, d.t), cpu(&d.k, d.r), cpu(&d.v, d.r));
+    let contiguous = causal_attention(&q, &k, &v, &d.spans, &d.p)
+        .map_err(|e| format!("{name} cpu: {e}"))?
+        .to_f32_vec()
+        .unwrap();
+    let plan = plan_attention_paged(d.t, pg.rows, &pg.spans, &d.p, &pg.paging, Device::Cpu)
+        .map_err(|e| format!("{name} cpu: paged plan: {e}"))?;
+    let (pk, pv) = (cpu(&pg.k, pg.rows), cpu(&pg.v, pg.rows));
+    let twin = causal_attention_planned(&q, &pk, &pv, &plan)
+        .map_err(|e| format!("{name} cpu: paged: {e}"))?
+        .to_f32_vec()
+        .unwrap();
+    if !bits_equal(&twin, &contiguous) {
+        return Err(format!("{name} cpu: paged differs from contiguous"));
+    }
+    if !long {
+        let want = reference(&d, &d.q, &d.k, &d.v);
+        let e = rel_err(&d, &twin, &want).map_err(|e| format!("{name} cpu: {e}"))?;
+        if e > 1e-5 {
+            return Err(format!("{name} cpu: error {e:.3e}"));
+        }
+    }
+    if !gpu {
+        return Ok(());
+    }
+
+    let gq = tensor(&d.q, d.t, dtype, CUDA);
+    let (gk, gv) = (
+        tensor(&d.k, d.r, dtype, CUDA),
+        tensor(&d.v, d.r, dtype, CUDA),
+    );
+    let contiguous = causal_attention(&gq, &gk, &gv, &d.spans, &d.p)
+        .map_err(|e| format!("{name} cuda: {e}"))?
+        .to_f32_vec()
+        .unwrap();
+    let plan = plan_attention_paged(d.t, pg.rows, &pg.spans, &d.p, &pg.paging, CUDA)
+        .map_err(|e| format!("{name} cuda: paged plan: {e}"))?;
+    let (pk, pv) = (
+        tensor(&pg.k, pg.rows, dtype, CUDA),
+        tensor(&pg.v, pg.rows, dtype, CUDA),
+    );
+    for layer in 0..2 {
+        let got = causal_attention_planned(&gq, &pk, &pv, &plan)
+            .map_err(|e| format!("{name} cuda: paged: {e}"))?
+            .to_f32_vec()
+            .unwrap();
+        if !bits_equal(&got, &contiguous) {
+            let want: Vec<f64> = contiguous.iter().map(|&x| f64::from(x)).collect();
+            return Err(format!(
+                "{name} cuda: paged (use {layer}) differs from contiguous; per span {}",
+                per_span(&d, &got, &want)
+            ));
+        }
+    }
+    let want: Vec<f64> = twin.iter().map(|&x| f64::from(x)).collect();
+    let spans = || per_span(&d, &contiguous, &want);
+    let e = rel_err(&d, &contiguous, &want)
+        .map_err(|e| format!("{name} cuda: {e}; per span {}", spans()))?;
+    println!("{name}: paged cuda vs cpu twin max|err|/max|ref| = {e:.2e}");
+    if e > 2e-2 {
+        return Err(format!(
+            "{name} cuda: error {e:.3e} vs the cpu twin; per span {}",
+            spans()
+        ));
+    }
+    Ok(())
+}
+
+/// The paged cases: block sizes 1 to 64 (24: not a power of two), GQA groups 1 to 4, MLA's
+/// 192/128, windows; the mixed batch's first two sequences share their prefix blocks.
+fn paged_cases() -> Vec<(Case, usize)> {
+    vec![
+        (mixed(8, 2, 64, 64, None), 1),
+        (mixed(8, 2, 64, 64, Some(48)), 2),
+        (mixed(8, 2, 192, 128, None), 4),
+        (mixed(8, 2, 192, 128, Some(48)), 4),
+        (mixed(32, 8, 128, 128, None), 8),
+        (mixed(4, 4, 128, 128, Some(48)), 16),
+        (mixed(8, 2, 24, 16, None), 16),
+        (mixed(8, 1, 128, 128, None), 24),
+        (mixed(8, 2, 128, 128, Some(100)), 32),
+        (mixed(8, 2, 192, 128, None), 64),
+    ]
+}
+
+#[test]
+fn paged_cpu_twin_matches_contiguous_bit_for_bit() {
+    let r = paged_cases()
+        .iter()
+        .enumerate()
+        .map(|(i, (c, bs))| check_paged(c, *bs, true, DType::BF16, 300 + i as u64, false, false))
+        .collect();
+    all_pass(r);
+}
+
+#[test]
+fn paged_cuda_matches_contiguous_and_the_cpu_twin() {
+    let gpu = test_backend_or_skip().is_some();
+    if !gpu {
+        return;
+    }
+    let r = paged_cases()
+        .iter()
+        .enumerate()
+        .map(|(i, (c, bs))| check_paged(c, *bs, true, DType::BF16, 400 + i as u64, true, false))
+        .chain([check_paged(
+            &mixed(8, 2, 128, 128, Some(48)),
+            16,
+            true,
+            DType::F16,
+            420,
+            true,
+            false,
+        )])
+        .collect();
+    all_pass(r);
+}
+
+#[test]
+fn paged_cuda_long_decode_and_chunked_prefill() {
+    // Long cases need the device (their CPU twin alone is seconds on a small CPU).
+    if test_backend_or_skip().is_none() {
+        return;
+    }
+    let mut r = Vec::new();
+    // 8 sequences decoding at 4000 cached tokens: split KV (see plan.rs's paged decode test).
+    let c = Case {
+        name: "paged decode 8 x 4000".into(),
+        seqs: vec![(1, 4000); 8],
+        extra_q: 0,
+        ..mixed(32, 8, 128, 128, None)
+    };
+    r.push(check_paged(&c, 16, true, DType::BF16, 500, true, true));
+    // A 256-token chunk over a 3000-token cached prefix (and a decode sharing that prefix).
+    let c = Case {
+        name: "paged chunk 256 at past 3000".into(),
+        seqs: vec![(256, 3000), (1, 3100)],
+        extra_q: 0,
+        ..mixed(32, 8, 128, 128, None)
+    };
+    r.push(check_paged(&c, 16, true, DType::BF16, 501, true, true));
+    let c = Case {
+        name: "paged MLA chunk 100 at past 3000, window 1000".into(),
+        seqs: vec![(100, 3000), (1, 3000)],
+        extra_q: 0,
+        ..mixed(16, 16, 192, 128, Some(1000))
+    };
+    r.push(check_paged(&c, 64, true, DType::BF16, 502, true, true));
+    all_pass(r);
 }

@@ -25,6 +25,14 @@
 // key_tile0, key_tiles (the band's key tiles of BN keys). Grid: x = tile · num_kv_heads + kv head
 // (tiles heaviest first), z = split (CTAs with z >= nsplit exit).
 //
+// Paged K/V (kPaged): position j of the sequence is k/v row block_tables[kv_start + j / block_size]
+// · block_size + j % block_size (kv_start indexes the block tables). Each key tile's 64 rows are
+// looked up once, one key per thread of the first 64, and their k and v offsets stored in shared
+// memory for the copies: once tile kt's data is visible (the loop's first barrier), tile kt + 2's
+// offsets go into the slot that tile kt's copies no longer need, from the table entry read during
+// the previous tile (so the table's latency hides behind a tile's work). Everything else is the contiguous
+// routine, so both give the same bits for the same rows.
+//
 // Contract (checked on the host): dtype bf16 or f16; qk_dim, v_dim multiples of 8 (16-byte
 // cp.async chunks), qk_dim <= DQ, v_dim <= DV (DQ, DV multiples of 16: the padding dims are
 // zero-filled); every buffer 16-byte aligned; all positions and packed row counts fit 32 bits.
@@ -43,6 +51,18 @@
 #define FA_THREADS 128
 // -inf without <math.h> (NVRTC has none): masked scores and empty rows' running max.
 #define FA_NEG_INF __int_as_float(0xff800000)
+
+// The kernels' paged-K/V build (-D FMOE_ATTN_PAGED=1) takes two more parameters, the block tables
+// and the block size; the contiguous build passes none (FA_PAGED_ARGS fills the routine's).
+#ifdef FMOE_ATTN_PAGED
+#define FA_PAGED true
+#define FA_PAGED_PARAMS , const unsigned int *__restrict__ block_tables, unsigned int block_size
+#define FA_PAGED_ARGS block_tables, block_size
+#else
+#define FA_PAGED false
+#define FA_PAGED_PARAMS
+#define FA_PAGED_ARGS nullptr, 1u
+#endif
 
 namespace fa {
 
@@ -97,13 +117,16 @@ __host__ __device__ constexpr unsigned int smem_bytes(int bm, int dq, int dv, in
 
 // MI: m16 row tiles per warp (2 halves the shared-memory reads of K and V per MMA; the
 // accumulators then take MI x DV / 2 registers per thread).
-template <typename T, int kDq, int kDv, int kMi, int WARPS_M, int WARPS_N>
+// kPaged: K/V through block_tables (see the header comment); unused otherwise.
+template <typename T, int kDq, int kDv, int kMi, int WARPS_M, int WARPS_N, bool kPaged>
 __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v, T* __restrict__ out,
                                            float* __restrict__ ws_acc, float* __restrict__ ws_ml,
                                            const unsigned int* __restrict__ desc, unsigned int num_heads,
                                            unsigned int num_kv_heads, unsigned int qk_dim, unsigned int v_dim,
-                                           float scale_log2, unsigned int window) {
+                                           float scale_log2, unsigned int window,
+                                           const unsigned int* __restrict__ block_tables,
+                                           unsigned int block_size) {
     constexpr int BN = FA_KEY_TILE;
     constexpr int NT = 32 * WARPS_M * WARPS_N;
     constexpr int WR = 16 * kMi;           // rows per warp
@@ -116,12 +139,16 @@ __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __r
     constexpr int QC = kDq / 8, VC = kDv / 8;  // 16-byte chunks per row
     static_assert(NT == FA_THREADS, "the launch code uses FA_THREADS threads");
     static_assert(KSUB % 16 == 0 && KPW % KSUB == 0 && kDq % 16 == 0 && kDv % 16 == 0, "tile shapes");
+    static_assert(NT >= BN, "one key lookup per thread of the first BN");
+    static_assert(BN * QC % NT == 0 && BN * VC % NT == 0, "whole 16-byte chunks per thread");
 
     extern __shared__ __align__(16) unsigned char smem[];
     T* qs = reinterpret_cast<T*>(smem);
     T* ks = qs + BM * SQ;          // [2][BN][SQ]
     T* vs = ks + 2 * BN * SQ;      // [2][BN][SV]
     __shared__ float m_s[WARPS_N][BM], l_s[WARPS_N][BM];
+    // Paged: per stage, each key's k and v row offsets (elements) from kh and vh.
+    __shared__ ulonglong2 key_off[kPaged ? 2 : 1][kPaged ? BN : 1];
 
     const unsigned int kvh = blockIdx.x % num_kv_heads;
     const unsigned int* d = desc + (unsigned long long)(blockIdx.x / num_kv_heads) * FA_DESC_WORDS;
@@ -142,8 +169,9 @@ __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __r
     const unsigned long long q_stride = (unsigned long long)num_heads * qk_dim;
     const unsigned long long k_stride = (unsigned long long)num_kv_heads * qk_dim;
     const unsigned long long v_stride = (unsigned long long)num_kv_heads * v_dim;
-    const T* kh = k + (unsigned long long)kv_start * k_stride + (unsigned long long)kvh * qk_dim;
-    const T* vh = v + (unsigned long long)kv_start * v_stride + (unsigned long long)kvh * v_dim;
+    // Contiguous: key j is row kv_start + j. Paged: key_off holds each key's offsets.
+    const T* kh = k + (kPaged ? 0ull : (unsigned long long)kv_start * k_stride) + (unsigned long long)kvh * qk_dim;
+    const T* vh = v + (kPaged ? 0ull : (unsigned long long)kv_start * v_stride) + (unsigned long long)kvh * v_dim;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp % WARPS_M, wn = warp / WARPS_M;
@@ -160,11 +188,73 @@ __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __r
                   (unsigned long long)(kvh * group + x % group) * qk_dim + ch * 8;
         cp_async16(qs + r * SQ + ch * 8, src, ok);
     }
+    // Paged lookups, by the threads tid < BN, one key each: the cursor is the table entry (from
+    // kv_start) and the slot in its block of key tid of the next tile to look up; it moves on a
+    // tile per lookup without a division.
+    unsigned int cur_blk = 0, cur_off = 0, step_blk = 0, step_off = 0;
+    if constexpr (kPaged) {
+        const unsigned int j = kt_begin * BN + tid;
+        cur_blk = j / block_size;
+        cur_off = j % block_size;
+        step_blk = BN / block_size;
+        step_off = BN % block_size;
+    }
+    // The block holding key tid of tile kt, the cursor's tile (0 past the sequence or the split,
+    // whose copies are never made).
+    auto fetch_block = [&](unsigned int kt) -> unsigned int {
+        const unsigned int j = kt * BN + tid;
+        return kt < kt_end && j < kv_len ? block_tables[kv_start + cur_blk] : 0u;
+    };
+    // Stores that key's offsets for `stage` and moves the cursor to the next tile.
+    auto store_block = [&](int stage, unsigned int block) {
+        const unsigned int row = block * block_size + cur_off;
+        key_off[stage][tid] = make_ulonglong2((unsigned long long)row * k_stride, (unsigned long long)row * v_stride);
+        cur_off += step_off;
+        if (cur_off >= block_size) {
+            cur_off -= block_size;
+            ++cur_blk;
+        }
+        cur_blk += step_blk;
+    };
     // K and V rows of key tile kt; keys past the sequence read as zeros.
     auto load_kv = [&](int stage, unsigned int kt) {
         const unsigned int n0 = kt * BN;
         T* kd = ks + stage * BN * SQ;
         T* vd = vs + stage * BN * SV;
+        if constexpr (kPaged) {
+            // A chunk's offset comes from key_off (unrolled by 4: the offsets' loads go out
+            // together, and a full unroll of the 128-wide prefill spills). K and V of a row in
+            // one loop when their chunk counts match.
+            constexpr int KCH = BN * QC / NT, VCH = BN * VC / NT;
+            const ulonglong2* off = key_off[stage];
+            if constexpr (QC == VC) {
+#pragma unroll 4
+                for (int i = 0; i < KCH; ++i) {
+                    const int c = tid + i * NT, r = c / QC, ch = c % QC;
+                    const ulonglong2 o = off[r];
+                    const bool in = n0 + r < kv_len;
+                    const bool okk = in && (unsigned int)ch * 8 < qk_dim, okv = in && (unsigned int)ch * 8 < v_dim;
+                    cp_async16(kd + r * SQ + ch * 8, kh + (okk ? o.x + ch * 8 : 0ull), okk);
+                    cp_async16(vd + r * SV + ch * 8, vh + (okv ? o.y + ch * 8 : 0ull), okv);
+                }
+            } else {
+#pragma unroll 4
+                for (int i = 0; i < KCH; ++i) {
+                    const int c = tid + i * NT, r = c / QC, ch = c % QC;
+                    const unsigned long long o = off[r].x;
+                    const bool ok = n0 + r < kv_len && (unsigned int)ch * 8 < qk_dim;
+                    cp_async16(kd + r * SQ + ch * 8, kh + (ok ? o + ch * 8 : 0ull), ok);
+                }
+#pragma unroll 4
+                for (int i = 0; i < VCH; ++i) {
+                    const int c = tid + i * NT, r = c / VC, ch = c % VC;
+                    const unsigned long long o = off[r].y;
+                    const bool ok = n0 + r < kv_len && (unsigned int)ch * 8 < v_dim;
+                    cp_async16(vd + r * SV + ch * 8, vh + (ok ? o + ch * 8 : 0ull), ok);
+                }
+            }
+            return;
+        }
         for (int c = tid; c < BN * QC; c += NT) {
             const int r = c / QC, ch = c % QC;
             const bool ok = n0 + r < kv_len && (unsigned int)ch * 8 < qk_dim;
@@ -176,6 +266,17 @@ __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __r
             cp_async16(vd + r * SV + ch * 8, vh + (ok ? (unsigned long long)(n0 + r) * v_stride + ch * 8 : 0ull), ok);
         }
     };
+    // Paged: the offsets of the first two tiles (stages 0 and 1), and the block of tile
+    // kt_begin + 2 fetched ahead.
+    unsigned int pending = 0;
+    if constexpr (kPaged) {
+        if (tid < BN) {
+            store_block(0, fetch_block(kt_begin));
+            store_block(1, fetch_block(kt_begin + 1));
+            pending = fetch_block(kt_begin + 2);
+        }
+        __syncthreads();
+    }
     if (kt_begin < kt_end) load_kv(0, kt_begin);
     cp_async_commit();
 
@@ -213,6 +314,16 @@ __device__ __forceinline__ void flash_tile(const T* __restrict__ q, const T* __r
         cp_async_commit();
         cp_async_wait<1>();
         __syncthreads();  // tile kt (and Q) visible to every warp
+        if constexpr (kPaged) {
+            // Tile kt + 2's offsets into this stage's slot: every thread issued tile kt's copies
+            // from it before the barrier above, and tile kt + 2's are issued after the one that
+            // ends this tile. From the block fetched a tile ago; then tile kt + 3's block, read
+            // while this tile computes.
+            if (tid < BN) {
+                store_block(stage, pending);
+                pending = fetch_block(kt + 3);
+            }
+        }
         const unsigned int n0 = kt * BN;
         const bool full = n0 + BN - 1 <= past + i_first && (window == 0 || past + i_last - n0 < window);
 

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::SeqSpan;
+use super::{KvPaging, SeqSpan};
 
 /// One head's attention geometry for [`attend_head`].
 #[derive(Clone, Copy, Debug)]
@@ -25,6 +25,20 @@ pub struct HeadGeometry {
 /// `softmax(q·kᵀ·scale + causal mask)·v` for one head: `q` is `[n, qk_dim]` (dense rows) for
 /// positions `past..past + n`; `k`/`v` hold rows for positions `0..past + n`. Returns `[n, v_dim]`.
 pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], past: usize, g: &HeadGeometry) -> Vec<f32> {
+    attend_rows(q, k, v, past, g, |j| j)
+}
+
+/// [`attend_head`] with position `j`'s key and value in row `row(j)` of `k` and `v` (paged K/V
+/// reads through the block table): the same operations in the same order, so the same rows give
+/// the same bits wherever they lie.
+fn attend_rows(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    past: usize,
+    g: &HeadGeometry,
+    row: impl Fn(usize) -> usize,
+) -> Vec<f32> {
     let n = q.len() / g.qk_dim;
     let mut out = vec![0f32; n * g.v_dim];
     let mut scores = Vec::new();
@@ -37,7 +51,7 @@ pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], past: usize, g: &HeadGeometr
         let qi = &q[i * g.qk_dim..(i + 1) * g.qk_dim];
         scores.clear();
         scores.extend((first..=pos).map(|j| {
-            let kj = &k[j * g.k_stride + g.k_offset..][..g.qk_dim];
+            let kj = &k[row(j) * g.k_stride + g.k_offset..][..g.qk_dim];
             dot(qi, kj) * g.scale
         }));
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -49,7 +63,7 @@ pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], past: usize, g: &HeadGeometr
         let o = &mut out[i * g.v_dim..(i + 1) * g.v_dim];
         for (s, j) in scores.iter().zip(first..=pos) {
             let p = s / sum;
-            let vj = &v[j * g.v_stride + g.v_offset..][..g.v_dim];
+            let vj = &v[row(j) * g.v_stride + g.v_offset..][..g.v_dim];
             for (a, b) in o.iter_mut().zip(vj) {
                 *a += p * b;
             }
@@ -58,8 +72,9 @@ pub fn attend_head(q: &[f32], k: &[f32], v: &[f32], past: usize, g: &HeadGeometr
     out
 }
 
-/// `[T, heads·v_dim]` f32: every span's heads through [`attend_head`], rows outside the spans 0.
-/// Shapes were validated by the caller.
+/// `[T, heads·v_dim]` f32: every span's heads through [`attend_head`] (its k/v rows found
+/// through `paging`'s block tables when given), rows outside the spans 0. Shapes and spans were
+/// validated by the caller.
 pub(super) fn causal_attention(
     q: &[f32],
     k: &[f32],
@@ -67,6 +82,7 @@ pub(super) fn causal_attention(
     rows: usize,
     spans: &[SeqSpan],
     p: &super::AttentionParams,
+    paging: Option<&KvPaging>,
 ) -> Vec<f32> {
     let (h, dq, dv) = (p.num_heads, p.qk_dim, p.v_dim);
     let group = h / p.num_kv_heads;
@@ -94,10 +110,15 @@ pub(super) fn causal_attention(
                 scale: p.scale,
                 sliding_window: p.sliding_window,
             };
-            let kv_rows = sp.past + sp.q_len;
-            let ks = &k[sp.kv_start * k_w..(sp.kv_start + kv_rows) * k_w];
-            let vs = &v[sp.kv_start * v_w..(sp.kv_start + kv_rows) * v_w];
-            attend_head(&qh, ks, vs, sp.past, &g)
+            match paging {
+                None => {
+                    let kv_rows = sp.past + sp.q_len;
+                    let ks = &k[sp.kv_start * k_w..(sp.kv_start + kv_rows) * k_w];
+                    let vs = &v[sp.kv_start * v_w..(sp.kv_start + kv_rows) * v_w];
+                    attend_head(&qh, ks, vs, sp.past, &g)
+                }
+                Some(pg) => attend_rows(&qh, k, v, sp.past, &g, |j| pg.row(sp.kv_start, j)),
+            }
         })
         .collect();
     let mut out = vec![0f32; rows * o_w];
@@ -111,9 +132,11 @@ pub(super) fn causal_attention(
     out
 }
 
-/// Dot product in f32 (AVX2/FMA when the CPU has them). fmoe-models' `dot` (its 1×1 tile),
-/// reproduced operation for operation.
+/// Dot product in f32 (AVX2/FMA when the CPU has them) over the first `min(a.len(), b.len())`
+/// elements. fmoe-models' `dot` (its 1×1 tile), reproduced operation for operation.
 fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -145,15 +168,15 @@ fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// 8 lanes at a time with FMA; the `k % 8` tail in scalar.
+    /// 8 lanes at a time with FMA; the `k % 8` tail in scalar (`k` the shorter length).
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn dot(x: &[f32], w: &[f32]) -> f32 {
-        let k = x.len();
+        let k = x.len().min(w.len());
         let k8 = k - k % 8;
         let mut acc = _mm256_setzero_ps();
         let mut p = 0;
         while p < k8 {
-            // SAFETY: p + 8 <= k8 <= len of both rows.
+            // SAFETY: p + 8 <= k8 <= k, the length of the shorter row.
             let wv = unsafe { _mm256_loadu_ps(w.as_ptr().add(p)) };
             // SAFETY: as above.
             let xv = unsafe { _mm256_loadu_ps(x.as_ptr().add(p)) };
@@ -214,5 +237,16 @@ mod tests {
             assert_eq!(dot(&a, &b), want, "n={n}");
             assert_eq!(dot_portable(&a, &b), want, "n={n}");
         }
+    }
+
+    #[test]
+    fn dot_of_unequal_rows_stops_at_the_shorter() {
+        // A row past the other's end is never read: both orders give the dot of the common part.
+        let a: Vec<f32> = (0..40).map(|i| (i % 5) as f32 - 2.0).collect();
+        let b: Vec<f32> = (0..19).map(|i| (i % 3) as f32 * 0.5).collect();
+        let want = dot(&a[..19], &b);
+        assert_eq!(dot(&a, &b), want);
+        assert_eq!(dot(&b, &a), want);
+        assert_eq!(want, a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>());
     }
 }

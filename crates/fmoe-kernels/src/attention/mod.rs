@@ -10,6 +10,17 @@
 //! The CPU twin ([`attend_head`] per (span, head), rayon over the pairs) is public: the models'
 //! CPU path calls it directly, on f32 rows it already holds. It takes f32, bf16 and f16.
 //!
+//! # Paged K/V
+//!
+//! With [`plan_attention_paged`] k and v are a pool of `num_blocks · block_size` rows and each
+//! span reads its keys through a block table ([`KvPaging`]): position `j` of span `s` is row
+//! `block_tables[s.kv_start + j / block_size] · block_size + j % block_size`, so `kv_start` is
+//! the index of the span's first table entry. Spans may share blocks (a common prefix). Both
+//! devices compute exactly what the contiguous call computes on the same logical K/V, bit for
+//! bit: the CPU twin runs the same [`attend_head`] arithmetic on rows found through the table,
+//! and the CUDA kernels (their `FMOE_ATTN_PAGED` build) only change where each key row of a
+//! 64-key tile is loaded from.
+//!
 //! # CUDA
 //!
 //! bf16 and f16 (f32 is [`fmoe_core::Error::Unsupported`] there: the tensor-core kernels take
@@ -56,7 +67,8 @@ const OP: &str = "attention::causal_attention";
 
 /// One sequence of a varlen batch. Queries are rows `q_start..q_start+q_len` of q, at positions
 /// `past..past+q_len`. The sequence's keys/values for positions `0..past+q_len` are rows
-/// `kv_start..kv_start+past+q_len` of k and v.
+/// `kv_start..kv_start+past+q_len` of k and v; in a paged plan ([`plan_attention_paged`]) they
+/// are found through the block table entries from `kv_start` on instead (see [`KvPaging`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SeqSpan {
     pub q_start: usize,
@@ -78,8 +90,28 @@ pub struct AttentionParams {
     pub sliding_window: Option<usize>,
 }
 
+/// Paged K/V (see the module docs): `k`/`v` rows are `num_blocks · block_size`; span `s`'s
+/// position `j` is row `block_tables[s.kv_start + j / block_size] · block_size + j % block_size`
+/// (so in paged mode [`SeqSpan::kv_start`] is the index of the span's first table entry). The
+/// tables of all spans are one list; entries no span reaches are never read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvPaging {
+    pub block_size: usize,
+    pub block_tables: Vec<u32>,
+}
+
+impl KvPaging {
+    /// The k/v row of position `j` of a span whose table starts at `table_start` (validated
+    /// spans only: the entry exists).
+    fn row(&self, table_start: usize, j: usize) -> usize {
+        self.block_tables[table_start + j / self.block_size] as usize * self.block_size
+            + j % self.block_size
+    }
+}
+
 /// A batch's attention geometry, validated and planned once for every layer of a forward pass
-/// (see the module docs): built by [`plan_attention`], used by [`causal_attention_planned`].
+/// (see the module docs): built by [`plan_attention`] or [`plan_attention_paged`], used by
+/// [`causal_attention_planned`].
 #[derive(Debug)]
 pub struct AttentionPlan {
     spans: Vec<SeqSpan>,
@@ -87,6 +119,8 @@ pub struct AttentionPlan {
     q_rows: usize,
     kv_rows: usize,
     device: Device,
+    /// How the spans find their k/v rows when they are paged.
+    paging: Option<KvPaging>,
     /// The tile plan and its uploaded metadata (CUDA).
     cuda: Option<cuda::Prepared>,
 }
@@ -97,6 +131,10 @@ impl AttentionPlan {
     }
     pub fn spans(&self) -> &[SeqSpan] {
         &self.spans
+    }
+    /// The block tables of a paged plan; `None` for contiguous spans.
+    pub fn paging(&self) -> Option<&KvPaging> {
+        self.paging.as_ref()
     }
 }
 
@@ -110,11 +148,41 @@ pub fn plan_attention(
     p: &AttentionParams,
     device: Device,
 ) -> Result<AttentionPlan> {
+    plan(q_rows, kv_rows, spans, p, None, device)
+}
+
+/// [`plan_attention`] for paged K/V: k and v of `kv_rows` rows are `kv_rows / block_size`
+/// blocks, and each span's positions are found through `paging`'s block tables (see
+/// [`KvPaging`]). Checks `block_size >= 1`, `kv_rows` a multiple of it, every span's table slice
+/// `kv_start .. kv_start + ceil((past + q_len) / block_size)` inside `block_tables`, and every
+/// block id in those slices below `kv_rows / block_size`. On CUDA the tables are uploaded with
+/// the tile metadata (the same one copy).
+pub fn plan_attention_paged(
+    q_rows: usize,
+    kv_rows: usize,
+    spans: &[SeqSpan],
+    p: &AttentionParams,
+    paging: &KvPaging,
+    device: Device,
+) -> Result<AttentionPlan> {
+    plan(q_rows, kv_rows, spans, p, Some(paging), device)
+}
+
+fn plan(
+    q_rows: usize,
+    kv_rows: usize,
+    spans: &[SeqSpan],
+    p: &AttentionParams,
+    paging: Option<&KvPaging>,
+    device: Device,
+) -> Result<AttentionPlan> {
     check_params(p)?;
-    check_spans(spans, q_rows, kv_rows)?;
+    check_spans(spans, q_rows, kv_rows, paging)?;
     let cuda = match device {
         Device::Cpu => None,
-        Device::Cuda(_) => Some(cuda::prepare(OP, device, q_rows, kv_rows, spans, p, None)?),
+        Device::Cuda(_) => Some(cuda::prepare(
+            OP, device, q_rows, kv_rows, spans, p, paging, None,
+        )?),
     };
     Ok(AttentionPlan {
         spans: spans.to_vec(),
@@ -122,12 +190,13 @@ pub fn plan_attention(
         q_rows,
         kv_rows,
         device,
+        paging: paging.cloned(),
         cuda,
     })
 }
 
-/// [`causal_attention`] on a plan: q `[plan's q rows, num_heads·qk_dim]`, k and v of the plan's
-/// k/v rows, on the plan's device (each checked, naming the tensor).
+/// [`causal_attention`] on a plan (contiguous or paged): q `[plan's q rows, num_heads·qk_dim]`,
+/// k and v of the plan's k/v rows, on the plan's device (each checked, naming the tensor).
 pub fn causal_attention_planned(
     q: &Tensor,
     k: &Tensor,
@@ -154,7 +223,8 @@ pub fn causal_attention_planned(
         }
         _ => {
             let (qf, kf, vf) = (f32_view(q)?, f32_view(k)?, f32_view(v)?);
-            let out = cpu::causal_attention(&qf, &kf, &vf, rows, &plan.spans, p);
+            let out =
+                cpu::causal_attention(&qf, &kf, &vf, rows, &plan.spans, p, plan.paging.as_ref());
             Ok(Tensor::from_f32(&out, out_dims, dtype, &Device::Cpu)?)
         }
     }
@@ -184,7 +254,7 @@ pub fn causal_attention(
         _ => {
             // f32 inputs are read in place; other dtypes are widened once.
             let (qf, kf, vf) = (f32_view(q)?, f32_view(k)?, f32_view(v)?);
-            let out = cpu::causal_attention(&qf, &kf, &vf, rows, spans, p);
+            let out = cpu::causal_attention(&qf, &kf, &vf, rows, spans, p, None);
             Ok(Tensor::from_f32(&out, out_dims, dtype, &Device::Cpu)?)
         }
     }
@@ -207,7 +277,7 @@ fn check(
 ) -> Result<DType> {
     check_params(p)?;
     let (dtype, t, r) = check_tensors(q, k, v, p)?;
-    check_spans(spans, t, r)?;
+    check_spans(spans, t, r, None)?;
     Ok(dtype)
 }
 
@@ -263,8 +333,14 @@ fn check_params(p: &AttentionParams) -> Result<()> {
     Ok(())
 }
 
-/// In bounds (checked arithmetic: huge values are errors, not wraps) and disjoint in q.
-fn check_spans(spans: &[SeqSpan], q_rows: usize, kv_rows: usize) -> Result<()> {
+/// In bounds (checked arithmetic: huge values are errors, not wraps) and disjoint in q; with
+/// `paging`, k/v bounds through the block tables ([`check_paging`]).
+fn check_spans(
+    spans: &[SeqSpan],
+    q_rows: usize,
+    kv_rows: usize,
+    paging: Option<&KvPaging>,
+) -> Result<()> {
     let oob = |i: usize, s: &SeqSpan, what: &str, rows: usize| {
         Error::invalid(
             OP,
@@ -276,6 +352,9 @@ fn check_spans(spans: &[SeqSpan], q_rows: usize, kv_rows: usize) -> Result<()> {
         if q_end.is_none_or(|e| e > q_rows) {
             return Err(oob(i, s, "q", q_rows));
         }
+        if paging.is_some() {
+            continue;
+        }
         let kv_end = s
             .past
             .checked_add(s.q_len)
@@ -283,6 +362,9 @@ fn check_spans(spans: &[SeqSpan], q_rows: usize, kv_rows: usize) -> Result<()> {
         if kv_end.is_none_or(|e| e > kv_rows) {
             return Err(oob(i, s, "k/v", kv_rows));
         }
+    }
+    if let Some(paging) = paging {
+        check_paging(spans, kv_rows, paging)?;
     }
     let mut order: Vec<usize> = (0..spans.len()).filter(|&i| spans[i].q_len > 0).collect();
     order.sort_by_key(|&i| spans[i].q_start);
@@ -296,6 +378,60 @@ fn check_spans(spans: &[SeqSpan], q_rows: usize, kv_rows: usize) -> Result<()> {
                     w[0], w[1]
                 ),
             ));
+        }
+    }
+    Ok(())
+}
+
+/// Paged k/v bounds: `block_size >= 1` dividing `kv_rows`; each span's table slice
+/// `kv_start .. kv_start + ceil((past + q_len) / block_size)` inside `block_tables`, and every
+/// block id in it below `kv_rows / block_size`.
+fn check_paging(spans: &[SeqSpan], kv_rows: usize, paging: &KvPaging) -> Result<()> {
+    let KvPaging {
+        block_size: bs,
+        ref block_tables,
+    } = *paging;
+    if bs == 0 {
+        return Err(Error::invalid(
+            OP,
+            "paging: block_size must be >= 1 (got 0)",
+        ));
+    }
+    if !kv_rows.is_multiple_of(bs) {
+        return Err(Error::invalid(
+            OP,
+            format!("paging: `k/v` has {kv_rows} rows, not a multiple of block_size {bs}"),
+        ));
+    }
+    let blocks = kv_rows / bs;
+    for (i, s) in spans.iter().enumerate() {
+        let need = s.past.checked_add(s.q_len).map(|n| n.div_ceil(bs));
+        let end = need.and_then(|n| n.checked_add(s.kv_start));
+        let Some(end) = end.filter(|&e| e <= block_tables.len()) else {
+            let range = match (need, end) {
+                (Some(n), Some(e)) => format!("{n} block table entries ({}..{e})", s.kv_start),
+                _ => "more block table entries than fit an index".to_string(),
+            };
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "paging: spans[{i}] = {s:?} needs {range} in blocks of {bs}, but \
+                     block_tables has {} entries",
+                    block_tables.len()
+                ),
+            ));
+        };
+        for (at, &id) in block_tables.iter().enumerate().take(end).skip(s.kv_start) {
+            if id as usize >= blocks {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "paging: block_tables[{at}] = {id} (spans[{i}]'s block {}) is past the \
+                         {blocks} blocks of `k/v` ({kv_rows} rows in blocks of {bs})",
+                        at - s.kv_start
+                    ),
+                ));
+            }
         }
     }
     Ok(())
@@ -510,6 +646,62 @@ mod tests {
         assert!(e.contains("spans[2]") && e.contains("`k/v`"), "{e}");
         let bad = AttentionParams { qk_dim: 0, ..p };
         assert!(plan_attention(t, r, &spans, &bad, Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn paged_plans_check_their_block_tables() {
+        let p = params(4, 2, 16, 16);
+        let pg = |block_size, block_tables: &[u32]| KvPaging {
+            block_size,
+            block_tables: block_tables.to_vec(),
+        };
+        // 12 k/v rows in blocks of 4: ids 0..3. Span 1 (past 5 + 2 = 7 positions) needs 2
+        // entries from 3 on; entry 2 is reached by no span, so its id is never checked.
+        let spans = [span(0, 3, 0, 1), span(3, 2, 3, 5)];
+        let ok = pg(4, &[2, u32::MAX, u32::MAX, 0, 1]);
+        let plan = plan_attention_paged(5, 12, &spans, &p, &ok, Device::Cpu).unwrap();
+        assert_eq!(plan.paging(), Some(&ok));
+        assert_eq!(
+            plan_attention(5, 12, &spans, &p, Device::Cpu)
+                .unwrap()
+                .paging(),
+            None
+        );
+        let e = |paging: &KvPaging, kv_rows, spans: &[SeqSpan]| {
+            let e = plan_attention_paged(5, kv_rows, spans, &p, paging, Device::Cpu)
+                .unwrap_err()
+                .to_string();
+            assert!(e.starts_with(OP), "{e}");
+            e
+        };
+        assert!(e(&pg(0, &[0]), 12, &spans).contains("paging: block_size must be >= 1"));
+        let m = e(&ok, 10, &spans);
+        assert!(m.contains("10 rows") && m.contains("block_size 4"), "{m}");
+        let m = e(&pg(4, &[2, 0, 0, 0]), 12, &spans);
+        assert!(
+            m.contains("spans[1]") && m.contains("2 block table entries (3..5)"),
+            "{m}"
+        );
+        assert!(m.contains("has 4 entries"), "{m}");
+        let m = e(&pg(4, &[2, 0, 0, 0, 3]), 12, &spans);
+        assert!(
+            m.contains("block_tables[4] = 3") && m.contains("spans[1]'s block 1"),
+            "{m}"
+        );
+        assert!(m.contains("3 blocks"), "{m}");
+        let m = e(&ok, 12, &[span(0, 1, usize::MAX, 0)]);
+        assert!(m.contains("more block table entries than fit"), "{m}");
+        assert!(e(&ok, 12, &[span(0, 1, 0, usize::MAX)]).contains("spans[0]"));
+        // The q checks stay: bounds and overlap.
+        assert!(e(&ok, 12, &[span(4, 3, 0, 0)]).contains("`q`"));
+        assert!(e(&ok, 12, &[span(0, 3, 0, 1), span(2, 2, 3, 5)]).contains("overlap"));
+        // A paged plan serves tensors of its k/v rows only.
+        let q = tensor(5, 64, 1, DType::BF16);
+        let k = tensor(8, 32, 2, DType::BF16);
+        let m = causal_attention_planned(&q, &k, &k, &plan)
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("made for 5 and 12"), "{m}");
     }
 
     #[test]

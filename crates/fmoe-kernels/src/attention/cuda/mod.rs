@@ -1,67 +1,40 @@
 //! CUDA twin of [`super::causal_attention`]: `cuda/attention_prefill.cu`, `cuda/attention_decode.cu`
 //! (both on the tile routine of `cuda/common/flash_attention.cuh`), compiled by [`crate::nvrtc`].
 //!
-//! A call is planned on the host ([`plan`], pure and unit-tested), then runs as at most four
-//! launches on the backend's stream with no host synchronization: one metadata upload (the tile
-//! descriptors of both kernels and the lists of split tiles), the prefill kernel over its tiles,
-//! the decode kernel over its tiles, and `fmoe_attention_combine` for each kernel that split KV.
-//! See the module docs of [`super`] for the kernel-choice and split rules.
+//! A call is planned on the host ([`plan`](plan::plan) in `plan.rs`, pure and unit-tested), then
+//! runs as at most four launches on the backend's stream with no host synchronization: one
+//! metadata upload (the tile descriptors of both kernels, the lists of split tiles and, for paged
+//! K/V, the block tables), the prefill kernel over its tiles, the decode kernel over its tiles,
+//! and `fmoe_attention_combine` for each kernel that split KV. See the module docs of [`super`]
+//! for the kernel-choice and split rules. Paged K/V runs the `FMOE_ATTN_PAGED` build of each tile
+//! kernel (two more arguments: the block tables and the block size); the combine is shared.
+
+mod plan;
 
 use fmoe_core::cuda::cudarc::driver::{LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaStorage, cuda_error};
 use fmoe_core::{CpuStorage, DType, Device, Error as CoreError};
 
-use super::{AttentionParams, SeqSpan};
+use super::{AttentionParams, KvPaging, SeqSpan};
 use crate::catalog::KernelVariant;
 use crate::launch::opt_in_smem;
 use crate::nvrtc;
 use crate::{Error, Result};
+use plan::PADDED_DIMS;
+use plan::{Kind, TilePlan, padded, plan, prefill_mi};
 
 const PREFILL: &str = "attention_prefill";
-const PREFILL_SRC: &str = include_str!("../../cuda/attention_prefill.cu");
+const PREFILL_SRC: &str = include_str!("../../../cuda/attention_prefill.cu");
 const DECODE: &str = "attention_decode";
-const DECODE_SRC: &str = include_str!("../../cuda/attention_decode.cu");
+const DECODE_SRC: &str = include_str!("../../../cuda/attention_decode.cu");
 const COMBINE_ENTRY: &str = "fmoe_attention_combine";
 
-/// Compiled q·k and v widths: a width is padded up to the next of these (zeros in the padding).
-pub(crate) const PADDED_DIMS: [usize; 6] = [16, 32, 64, 128, 192, 256];
-/// Keys per key tile (`FA_KEY_TILE`).
-pub(crate) const KEY_TILE: usize = 64;
-/// Packed rows per decode tile; a span with at most this many (query, head) rows per kv head
-/// runs on the decode kernel.
-pub(crate) const DECODE_ROWS: usize = 16;
-/// Packed rows per prefill warp row tile (m16); a prefill CTA has 4 warps of `16 · mi` rows.
-const PREFILL_WARP_ROWS: usize = 16;
-/// A KV split covers at least this many key tiles (256 keys), so its partial write and the
-/// combine stay small next to the K/V it reads.
-pub(crate) const MIN_KEY_TILES_PER_SPLIT: usize = 4;
-/// Splits are sized to put at least this many CTAs per SM on the device.
-pub(crate) const CTAS_PER_SM: usize = 2;
-pub(crate) const MAX_SPLITS: usize = 64;
 /// `FA_THREADS`.
 const THREADS: u32 = 128;
-/// `FA_DESC_WORDS`.
-const DESC_WORDS: usize = 9;
 /// Positions, rows and packed rows stay below this, so no 32-bit index in the kernels wraps.
 const INDEX_LIMIT: usize = i32::MAX as usize;
 
-/// Which of the two tile kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Kind {
-    Prefill,
-    Decode,
-}
-
 impl Kind {
-    const ALL: [Kind; 2] = [Kind::Prefill, Kind::Decode];
-
-    /// Packed rows per tile (`BM`); `mi` is the prefill kernel's row tiles per warp.
-    pub(crate) fn rows(self, mi: usize) -> usize {
-        match self {
-            Kind::Prefill => 4 * PREFILL_WARP_ROWS * mi,
-            Kind::Decode => DECODE_ROWS,
-        }
-    }
     fn family(self) -> &'static str {
         match self {
             Kind::Prefill => PREFILL,
@@ -80,41 +53,6 @@ impl Kind {
             Kind::Decode => "fmoe_attention_decode",
         }
     }
-    /// `fa::smem_bytes(BM, DQ, DV, WARPS_N)` of the header: the operand tiles, or the
-    /// epilogue's f32 staging if larger.
-    fn smem_bytes(self, mi: usize, dq: usize, dv: usize) -> usize {
-        let bm = self.rows(mi);
-        let warps_n = match self {
-            Kind::Prefill => 1,
-            Kind::Decode => 4,
-        };
-        let tiles = 2 * (bm * (dq + 8) + 2 * KEY_TILE * (dq + 8) + 2 * KEY_TILE * (dv + 8));
-        tiles.max(4 * warps_n * bm * (dv + 4))
-    }
-}
-
-/// The kernel of a span: decode iff its packed rows (`q_len · group`) fit one decode tile.
-pub(crate) fn kind_of(q_len: usize, group: usize) -> Kind {
-    if q_len * group <= DECODE_ROWS {
-        Kind::Decode
-    } else {
-        Kind::Prefill
-    }
-}
-
-/// (DQ, DV): each width padded to [`PADDED_DIMS`], DQ raised to DV if smaller (only DV <= DQ is
-/// compiled). `None` past 256.
-pub(crate) fn padded(qk_dim: usize, v_dim: usize) -> Option<(usize, usize)> {
-    let pad = |d: usize| PADDED_DIMS.iter().copied().find(|&p| p >= d);
-    let (dq, dv) = (pad(qk_dim)?, pad(v_dim)?);
-    Some((dq.max(dv), dv))
-}
-
-/// The prefill kernel's m16 row tiles per warp: 2 (128-row CTAs, half the shared-memory reads of
-/// K and V per MMA) while both widths are at most 128; beyond, the f32 accumulators of two row
-/// tiles would spill, so 1 (64-row CTAs).
-pub(crate) fn prefill_mi(dq: usize, dv: usize) -> usize {
-    if dq <= 128 && dv <= 128 { 2 } else { 1 }
 }
 
 fn dtype_code(dtype: DType) -> Option<u32> {
@@ -125,12 +63,20 @@ fn dtype_code(dtype: DType) -> Option<u32> {
     }
 }
 
+/// The define of the tile kernels' paged build.
+fn paged_define() -> (&'static str, String) {
+    ("FMOE_ATTN_PAGED", "1".to_string())
+}
+
+/// A tile kernel's defines; [`paged_define`] last for the paged build (the contiguous build's
+/// defines, and so its program, are those without it).
 fn tile_defines(
     kind: Kind,
     dtype: u32,
     dq: usize,
     dv: usize,
     mi: usize,
+    paged: bool,
 ) -> Vec<(&'static str, String)> {
     let mut d = vec![
         ("FMOE_ATTN_DTYPE", dtype.to_string()),
@@ -140,11 +86,15 @@ fn tile_defines(
     if kind == Kind::Prefill {
         d.push(("MI", mi.to_string()));
     }
+    if paged {
+        d.push(paged_define());
+    }
     d
 }
 
 /// Every compiled variant: both kernels × bf16/f16 × (DQ, DV) with DV <= DQ (prefill with the
-/// [`prefill_mi`] of the widths), and the combine kernel per dtype.
+/// [`prefill_mi`] of the widths), and the combine kernel per dtype; then the tile kernels' paged
+/// builds (the combine serves both).
 pub(crate) fn variants() -> Vec<KernelVariant> {
     let mut v = Vec::new();
     for dtype in [1u32, 2] {
@@ -155,7 +105,7 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
                         family: kind.family(),
                         source: kind.source(),
                         entry: kind.entry(),
-                        defines: tile_defines(kind, dtype, dq, dv, prefill_mi(dq, dv)),
+                        defines: tile_defines(kind, dtype, dq, dv, prefill_mi(dq, dv), false),
                     });
                 }
             }
@@ -167,101 +117,16 @@ pub(crate) fn variants() -> Vec<KernelVariant> {
             defines: vec![("FMOE_ATTN_DTYPE", dtype.to_string())],
         });
     }
+    let paged: Vec<KernelVariant> = v
+        .iter()
+        .filter(|k| k.entry != COMBINE_ENTRY)
+        .map(|k| KernelVariant {
+            defines: [k.defines.clone(), vec![paged_define()]].concat(),
+            ..k.clone()
+        })
+        .collect();
+    v.extend(paged);
     v
-}
-
-/// One kernel's share of a call: tile descriptors (`DESC_WORDS` each, heaviest CTA first), the
-/// largest split count, the indices of the split tiles and the workspace slots they use.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct TilePlan {
-    pub desc: Vec<u32>,
-    pub max_split: usize,
-    pub split_tiles: Vec<u32>,
-    pub slots: usize,
-}
-
-impl TilePlan {
-    pub(crate) fn tiles(&self) -> usize {
-        self.desc.len() / DESC_WORDS
-    }
-}
-
-/// One tile before splitting: span fields, first packed row, band of key tiles.
-#[derive(Clone, Copy, Debug)]
-struct Tile {
-    span: SeqSpan,
-    row0: usize,
-    kt0: usize,
-    nkt: usize,
-}
-
-/// The tiles of both kernels ([`Kind::ALL`] order). Split rule: with `n` tiles over all spans,
-/// `s = clamp(ceil(CTAS_PER_SM · sms / (n · kv_heads)), 1, MAX_SPLITS)`; a tile with `b` key
-/// tiles in its band gets `min(s, ceil(b / MIN_KEY_TILES_PER_SPLIT))` splits. Callers validated
-/// the spans; sizes are below [`INDEX_LIMIT`].
-pub(crate) fn plan(
-    spans: &[SeqSpan],
-    group: usize,
-    kv_heads: usize,
-    window: Option<usize>,
-    sms: usize,
-    mi: usize,
-) -> [TilePlan; 2] {
-    let mut tiles: [Vec<Tile>; 2] = [Vec::new(), Vec::new()];
-    for s in spans.iter().filter(|s| s.q_len > 0) {
-        let rows = s.q_len * group;
-        let kind = kind_of(s.q_len, group);
-        let bm = kind.rows(mi);
-        for row0 in (0..rows).step_by(bm) {
-            let i_first = row0 / group;
-            let i_last = ((row0 + bm).min(rows) - 1) / group;
-            let hi = s.past + i_last;
-            let lo = window.map_or(0, |w| (s.past + i_first + 1).saturating_sub(w));
-            let kt0 = lo / KEY_TILE;
-            tiles[kind as usize].push(Tile {
-                span: *s,
-                row0,
-                kt0,
-                nkt: hi / KEY_TILE - kt0 + 1,
-            });
-        }
-    }
-    let ctas = (tiles[0].len() + tiles[1].len()) * kv_heads;
-    let s_max = if ctas == 0 {
-        1
-    } else {
-        (CTAS_PER_SM * sms).div_ceil(ctas).clamp(1, MAX_SPLITS)
-    };
-    tiles.map(|mut list| {
-        let split = |t: &Tile| s_max.min(t.nkt.div_ceil(MIN_KEY_TILES_PER_SPLIT)).max(1);
-        // Heaviest CTA first: the grid runs them in the first wave.
-        list.sort_by_key(|t| std::cmp::Reverse(t.nkt.div_ceil(split(t))));
-        let mut p = TilePlan::default();
-        for (i, t) in list.iter().enumerate() {
-            let n = split(t);
-            let slot = p.slots;
-            if n > 1 {
-                p.split_tiles.push(i as u32);
-                p.slots += n;
-            }
-            p.max_split = p.max_split.max(n);
-            p.desc.extend(
-                [
-                    t.span.q_start,
-                    t.span.q_len,
-                    t.span.kv_start,
-                    t.span.past,
-                    t.row0,
-                    n,
-                    if n > 1 { slot } else { 0 },
-                    t.kt0,
-                    t.nkt,
-                ]
-                .map(|x| x as u32),
-            );
-        }
-        p
-    })
 }
 
 fn unsupported(op: &'static str, device: Device, reason: String) -> Error {
@@ -280,19 +145,21 @@ pub(super) fn dtype_supported(op: &'static str, device: Device, dtype: DType) ->
 }
 
 /// A call's launch plan, independent of the data: padded widths, the prefill kernel's row tiles
-/// per warp, both kernels' tile plans and their metadata, uploaded (nothing when no span has a
-/// query).
+/// per warp, both kernels' tile plans and their metadata (with the block tables of paged K/V),
+/// uploaded (nothing when no span has a query).
 #[derive(Debug)]
 pub(crate) struct Prepared {
     dq: usize,
     dv: usize,
     mi: usize,
     plans: [TilePlan; 2],
-    /// [prefill desc | decode desc | prefill split list | decode split list]; `None` when the
-    /// spans cover no query row.
+    /// [prefill desc | decode desc | prefill split list | decode split list | block tables];
+    /// `None` when the spans cover no query row.
     meta: Option<CudaStorage>,
     desc_at: [usize; 2],
     list_at: [usize; 2],
+    /// Paged K/V: where the block tables start in `meta` (in u32 words) and the block size.
+    paged: Option<(usize, u32)>,
     /// q rows the spans cover.
     covered: usize,
 }
@@ -326,12 +193,14 @@ fn run(
 ) -> Result<CudaStorage> {
     dtype_supported(op, q.device(), q.dtype())?;
     let kv_rows = k.len() / (p.num_kv_heads * p.qk_dim);
-    let prep = prepare(op, q.device(), rows, kv_rows, spans, p, mi_override)?;
+    let prep = prepare(op, q.device(), rows, kv_rows, spans, p, None, mi_override)?;
     launch(op, q, k, v, rows, p, &prep)
 }
 
-/// Plans a call over `rows` q rows and `kv_rows` k/v rows (validated spans) on `device` and
-/// uploads its metadata (one host-to-device copy, no synchronization).
+/// Plans a call over `rows` q rows and `kv_rows` k/v rows (validated spans, paged through
+/// `paging` when given) on `device` and uploads its metadata (one host-to-device copy, no
+/// synchronization).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn prepare(
     op: &'static str,
     device: Device,
@@ -339,6 +208,7 @@ pub(super) fn prepare(
     kv_rows: usize,
     spans: &[SeqSpan],
     p: &AttentionParams,
+    paging: Option<&KvPaging>,
     mi_override: Option<usize>,
 ) -> Result<Prepared> {
     let (qk_dim, v_dim) = (p.qk_dim, p.v_dim);
@@ -361,6 +231,20 @@ pub(super) fn prepare(
             rows.saturating_mul(group),
         ),
         ("num_heads · v_dim", p.num_heads * dv.max(dq)),
+        // Contiguous spans stay inside the k/v rows; paged ones only inside their tables.
+        (
+            "positions (past + q_len)",
+            spans
+                .iter()
+                .map(|s| s.past.saturating_add(s.q_len))
+                .max()
+                .unwrap_or(0),
+        ),
+        (
+            "block table entries",
+            paging.map_or(0, |pg| pg.block_tables.len()),
+        ),
+        ("block_size", paging.map_or(0, |pg| pg.block_size)),
     ]
     .into_iter()
     .find(|&(_, n)| n >= INDEX_LIMIT);
@@ -393,6 +277,12 @@ pub(super) fn prepare(
         list_at[i] = meta.len();
         meta.extend_from_slice(&pl.split_tiles);
     }
+    // Sizes were checked against INDEX_LIMIT above.
+    let paged = paging.map(|pg| {
+        let at = meta.len();
+        meta.extend_from_slice(&pg.block_tables);
+        (at, pg.block_size as u32)
+    });
     let meta = if covered == 0 {
         None
     } else {
@@ -406,6 +296,7 @@ pub(super) fn prepare(
         meta,
         desc_at,
         list_at,
+        paged,
         covered,
     })
 }
@@ -432,6 +323,7 @@ pub(super) fn launch(
         ref meta,
         desc_at,
         list_at,
+        paged,
         covered,
     } = *prep;
     let backend = q.backend();
@@ -469,7 +361,7 @@ pub(super) fn launch(
         } else {
             None
         };
-        let defines = tile_defines(kind, code, dq, dv, mi);
+        let defines = tile_defines(kind, code, dq, dv, mi, paged.is_some());
         let f = nvrtc::load(
             backend,
             kind.family(),
@@ -516,11 +408,18 @@ pub(super) fn launch(
             .arg(&v32)
             .arg(&scale_log2)
             .arg(&window);
+        let tables = paged.map(|(at, bs)| (meta.buffer().slice(at * 4..), bs));
+        if let Some((tables, bs)) = &tables {
+            b.arg(tables).arg(bs);
+        }
         // SAFETY: the arguments match `fmoe_attention_{prefill,decode}` in order and type (six
-        // pointers, the descriptor pointer, four u32, f32, u32). q/k/v/out hold [rows, heads·qk],
-        // [kv_rows, kv_heads·qk], [kv_rows, kv_heads·v], [rows, heads·v] elements of the dtype
-        // compiled for; every descriptor was built by `plan` from spans validated in bounds, with
-        // qk_dim <= DQ, v_dim <= DV, both multiples of 8, and the buffers start 256-byte aligned.
+        // pointers, the descriptor pointer, four u32, f32, u32; the paged build, loaded exactly
+        // when `paged` is set, then the block-table pointer and the u32 block size). q/k/v/out
+        // hold [rows, heads·qk], [kv_rows, kv_heads·qk], [kv_rows, kv_heads·v], [rows, heads·v]
+        // elements of the dtype compiled for; every descriptor was built by `plan` from spans
+        // validated in bounds (paged: each span's table slice inside the uploaded tables, every
+        // block id in it below kv_rows / block_size), with qk_dim <= DQ, v_dim <= DV, both
+        // multiples of 8, and the buffers start 256-byte aligned.
         // A tile with nsplit > 1 writes slots ws_slot.. < pl.slots of the workspace (allocated
         // for them; never touched when it is null, since every nsplit is then 1). The dynamic
         // shared memory is the kernel's smem_bytes, opted in above 48 KiB.
@@ -583,11 +482,12 @@ mod tests {
         for q in (8..=256).step_by(8) {
             for d in (8..=256).step_by(8) {
                 let (dq, dv) = padded(q, d).unwrap();
-                for kind in Kind::ALL {
+                for (kind, paged) in Kind::ALL.into_iter().flat_map(|k| [(k, false), (k, true)]) {
+                    let defines = tile_defines(kind, 1, dq, dv, prefill_mi(dq, dv), paged);
                     assert!(
-                        v.iter().any(|x| x.entry == kind.entry()
-                            && x.defines == tile_defines(kind, 1, dq, dv, prefill_mi(dq, dv))),
-                        "{q}/{d}"
+                        v.iter()
+                            .any(|x| x.entry == kind.entry() && x.defines == defines),
+                        "{q}/{d} paged {paged}"
                     );
                 }
             }
@@ -599,84 +499,6 @@ mod tests {
             }
         }
         assert_eq!((prefill_mi(128, 128), prefill_mi(192, 128)), (2, 1));
-    }
-
-    #[test]
-    fn kernel_choice_follows_packed_rows() {
-        assert_eq!(kind_of(1, 4), Kind::Decode);
-        assert_eq!(kind_of(1, 16), Kind::Decode);
-        assert_eq!(kind_of(4, 4), Kind::Decode);
-        assert_eq!(kind_of(5, 4), Kind::Prefill);
-        assert_eq!(kind_of(1, 32), Kind::Prefill);
-        assert_eq!(kind_of(16, 1), Kind::Decode);
-        assert_eq!(kind_of(17, 1), Kind::Prefill);
-    }
-
-    /// Every tile's band covers every key any of its rows may see, each split range of a tile
-    /// is inside the band and the splits partition it; workspace slots are disjoint.
-    #[test]
-    fn plans_cover_the_visible_keys_and_split_long_contexts() {
-        for window in [None, Some(1), Some(70), Some(300)] {
-            for group in [1, 4, 8] {
-                let spans = [
-                    span(0, 300, 0, 0),
-                    span(300, 1, 400, 8191),
-                    span(301, 3, 9000, 100),
-                    span(304, 70, 9500, 1000),
-                    span(374, 0, 0, 0),
-                ];
-                let plans = plan(&spans, group, 8, window, 132, 2);
-                let mut covered = vec![0usize; 374 * group];
-                for (kind, pl) in Kind::ALL.iter().zip(&plans) {
-                    let bm = kind.rows(2);
-                    let mut slots = vec![false; pl.slots];
-                    let mut last_work = usize::MAX;
-                    for (i, d) in pl.desc.chunks(DESC_WORDS).enumerate() {
-                        let d: Vec<usize> = d.iter().map(|&x| x as usize).collect();
-                        let (q_start, q_len, past, row0) = (d[0], d[1], d[3], d[4]);
-                        let (n, slot, kt0, nkt) = (d[5], d[6], d[7], d[8]);
-                        assert_eq!(kind_of(q_len, group), *kind);
-                        let rows = q_len * group;
-                        for x in row0..(row0 + bm).min(rows) {
-                            covered[q_start * group + x] += 1;
-                            let pos = past + x / group;
-                            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                            assert!(kt0 * KEY_TILE <= lo && pos < (kt0 + nkt) * KEY_TILE);
-                        }
-                        // The kernel's split ranges.
-                        let chunk = nkt.div_ceil(n);
-                        let mut next = kt0;
-                        for z in 0..n {
-                            let (b, e) =
-                                (kt0 + (z * chunk).min(nkt), kt0 + ((z + 1) * chunk).min(nkt));
-                            assert_eq!(b, next);
-                            next = e;
-                        }
-                        assert_eq!(next, kt0 + nkt);
-                        if n > 1 {
-                            assert!(pl.split_tiles.contains(&(i as u32)));
-                            for s in &mut slots[slot..slot + n] {
-                                assert!(!*s);
-                                *s = true;
-                            }
-                        }
-                        let work = nkt.div_ceil(n);
-                        assert!(work <= last_work, "heaviest first");
-                        last_work = work;
-                    }
-                    assert!(slots.iter().all(|&s| s));
-                }
-                assert!(covered.iter().all(|&c| c == 1));
-            }
-        }
-        // Decode of 8 sequences x 4096 on 132 SMs with 8 kv heads: 5 splits of 13 key tiles.
-        let spans: Vec<SeqSpan> = (0..8).map(|i| span(i, 1, i * 4096, 4095)).collect();
-        let [pre, dec] = plan(&spans, 4, 8, None, 132, 2);
-        assert_eq!(pre.tiles(), 0);
-        assert_eq!((dec.tiles(), dec.max_split, dec.slots), (8, 5, 40));
-        // A 4096-token prefill has enough tiles: no split.
-        let [pre, dec] = plan(&[span(0, 4096, 0, 0)], 4, 8, None, 132, 2);
-        assert_eq!((pre.tiles(), pre.max_split, dec.tiles()), (128, 1, 0));
     }
 
     /// Median seconds per call over `reps` back-to-back calls between CUDA events, 15 trials.
@@ -763,6 +585,7 @@ mod tests {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         println!("  MI=1 vs MI=2 max |diff| = {diff:.3e}");
+        paged_vs_contiguous(&backend, "prefill", (&q, &k, &v), t, &spans, &p, 10);
         // (b) decode.
         let (b, ctx) = (8usize, 4096usize);
         let (q, k, v) = (
@@ -783,6 +606,84 @@ mod tests {
             bytes / s / 1e12,
             bytes / s / 4.8e12 * 100.0,
             bytes / 4.8e12 * 1e6
+        );
+        paged_vs_contiguous(&backend, "decode", (&q, &k, &v), b, &spans, &p, 50);
+        // (c) MLA widths (DeepSeek-V3's 192/128, a kv head per head), paged against contiguous.
+        let (h, dq, dv) = (16usize, 192usize, 128usize);
+        let p = AttentionParams {
+            num_heads: h,
+            num_kv_heads: h,
+            qk_dim: dq,
+            v_dim: dv,
+            scale: 1.0 / (dq as f32).sqrt(),
+            sliding_window: None,
+        };
+        let (q, k, v) = (
+            rnd(t, h * dq, 7),
+            rnd(b * ctx, h * dq, 8),
+            rnd(b * ctx, h * dv, 9),
+        );
+        let (q, k, v) = (cs(&q), cs(&k), cs(&v));
+        let what = format!("MLA h={h} d={dq}/{dv} prefill T={t}");
+        paged_vs_contiguous(
+            &backend,
+            &what,
+            (&q, &k, &v),
+            t,
+            &[span(0, t, 0, 0)],
+            &p,
+            10,
+        );
+        let what = format!("MLA h={h} d={dq}/{dv} decode B={b} ctx={ctx}");
+        paged_vs_contiguous(&backend, &what, (&q, &k, &v), b, &spans, &p, 50);
+    }
+
+    /// Prints the planned call's time on contiguous spans and on the same spans paged in blocks of
+    /// 16 rows of the same k/v, in order and shuffled (kernels only: every plan is made once).
+    fn paged_vs_contiguous(
+        backend: &fmoe_core::cuda::CudaBackend,
+        what: &str,
+        (q, k, v): (&CudaStorage, &CudaStorage, &CudaStorage),
+        rows: usize,
+        spans: &[SeqSpan],
+        p: &AttentionParams,
+        reps: usize,
+    ) {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
+        let (bs, dev) = (16, q.device());
+        let kv_rows = k.len() / (p.num_kv_heads * p.qk_dim);
+        let in_order: Vec<u32> = (0..(kv_rows / bs) as u32).collect();
+        let mut shuffled = in_order.clone();
+        shuffled.shuffle(&mut rand_chacha::ChaCha8Rng::seed_from_u64(7));
+        // Each sequence's table is its own slice of the one list of all blocks.
+        let paged: Vec<SeqSpan> = spans
+            .iter()
+            .map(|s| SeqSpan {
+                kv_start: s.kv_start / bs,
+                ..*s
+            })
+            .collect();
+        let time = |sp: &[SeqSpan], pg: Option<Vec<u32>>| {
+            let pg = pg.map(|block_tables| KvPaging {
+                block_size: bs,
+                block_tables,
+            });
+            let prep = prepare("timing", dev, rows, kv_rows, sp, p, pg.as_ref(), None).unwrap();
+            time_calls(backend, reps, || {
+                drop(launch("timing", q, k, v, rows, p, &prep).unwrap())
+            })
+        };
+        let c = time(spans, None);
+        let (o, s) = (time(&paged, Some(in_order)), time(&paged, Some(shuffled)));
+        println!(
+            "  {what} planned: contiguous {:.1} us; paged in blocks of {bs}: in order {:.1} us \
+             ({:.3}x), shuffled {:.1} us ({:.3}x)",
+            c * 1e6,
+            o * 1e6,
+            o / c,
+            s * 1e6,
+            s / c
         );
     }
 }
