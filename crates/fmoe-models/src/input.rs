@@ -5,11 +5,14 @@
 //! the cache and never waits for the device.
 //!
 //! How attention reads the pool is the model's choice ([`AttentionLayout`]): through the block
-//! tables in place, or (MLA, which decompresses what it reads) from the batch's cached rows
-//! gathered by one index; either way one plan serves every layer.
+//! tables in place (the plan uploads the step's tables once), or (MLA, which decompresses what it
+//! reads) from the batch's cached rows gathered by one index; either way one plan serves every
+//! layer.
 
 use fmoe_core::Device;
-use fmoe_kernels::attention::{AttentionParams, AttentionPlan, SeqSpan, plan_attention};
+use fmoe_kernels::attention::{
+    AttentionParams, AttentionPlan, KvPaging, SeqSpan, plan_attention, plan_attention_paged,
+};
 use fmoe_kernels::elementwise::RowIndex;
 
 use crate::model::ModelInfo;
@@ -41,8 +44,11 @@ pub struct SeqStep<'a> {
 /// How a model's attention reads the KV pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AttentionLayout {
+    /// Attention reads the pool in place through the step's block tables (Mixtral).
+    Paged,
     /// The step gathers every scheduled sequence's cached rows (positions `0..past + new`) into
-    /// one contiguous batch with one index, and attention runs over those rows.
+    /// one contiguous batch with one index, and attention runs over those rows (MLA, which
+    /// decompresses what it reads).
     Gathered,
 }
 
@@ -55,7 +61,8 @@ pub struct ForwardInput {
     pub positions: RowIndex,
     /// u32 `[tokens]`: each token's row in the pool.
     pub slots: RowIndex,
-    /// [`AttentionLayout::Gathered`]: the pool rows attention reads, in the plan's k/v order.
+    /// [`AttentionLayout::Gathered`]: the pool rows attention reads, in the plan's k/v order
+    /// (`None` for [`AttentionLayout::Paged`]: the plan reads the pool through the tables).
     pub gather: Option<RowIndex>,
     pub attention: AttentionPlan,
     /// Rows of the batch that get logits, in order (`None`: every row).
@@ -87,7 +94,9 @@ impl ForwardInput {
         let mut slots = Vec::new();
         let mut logit_rows = Vec::new();
         let mut logit_spans = Vec::with_capacity(seqs.len());
+        let paged = info.attention_layout == AttentionLayout::Paged;
         let mut gather = Vec::new();
+        let mut tables = Vec::new();
         let mut spans = Vec::with_capacity(seqs.len());
         for (i, s) in seqs.iter().enumerate() {
             if s.tokens.is_empty() {
@@ -146,10 +155,14 @@ impl ForwardInput {
             spans.push(SeqSpan {
                 q_start,
                 q_len: s.tokens.len(),
-                kv_start: gather.len(),
+                kv_start: if paged { tables.len() } else { gather.len() },
                 past: s.past,
             });
-            gather.extend((0..end).map(slot));
+            if paged {
+                tables.extend_from_slice(&s.block_table[..need]);
+            } else {
+                gather.extend((0..end).map(slot));
+            }
             let first = logit_rows.len();
             match s.logits {
                 StepLogits::None => {}
@@ -164,13 +177,27 @@ impl ForwardInput {
             AttentionLayout::Gathered => {
                 plan_attention(t, gather.len(), &spans, &info.attention, device)?
             }
+            AttentionLayout::Paged => {
+                let paging = KvPaging {
+                    block_size,
+                    block_tables: tables,
+                };
+                let rows = num_blocks.checked_mul(block_size).ok_or_else(|| {
+                    Error::input(OP, format!("{num_blocks} blocks of {block_size} overflow"))
+                })?;
+                plan_attention_paged(t, rows, &spans, &info.attention, &paging, device)?
+            }
         };
         let num_logits = logit_rows.len();
         Ok(ForwardInput {
             token_ids: RowIndex::new(&tokens, device)?,
             positions: RowIndex::new(&positions, device)?,
             slots: RowIndex::new(&slots, device)?,
-            gather: Some(RowIndex::new(&gather, device)?),
+            gather: if paged {
+                None
+            } else {
+                Some(RowIndex::new(&gather, device)?)
+            },
             attention,
             logit_rows: if num_logits == t {
                 None

@@ -137,7 +137,7 @@ impl MixtralForCausalLM {
                 kv_layout: model.kv_layout().clone(),
                 device,
                 dtype: ctx.dtype,
-                attention_layout: AttentionLayout::Gathered,
+                attention_layout: AttentionLayout::Paged,
                 attention: device::mixtral::Model::attention_params(&spec),
                 moe,
             },
