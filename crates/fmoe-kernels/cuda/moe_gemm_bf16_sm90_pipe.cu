@@ -29,7 +29,7 @@
 // Padding rows are multiplied like the others, except with SKIP_PAD_WG=1 (below; uniform 192-row
 // tiles over few experts only). Letting the warpgroup whose 64 rows are all padding skip its
 // wgmma everywhere was measured slower on the H200 (DeepSeek-V3 GEMM1 at M = 8192 +22 % with
-// 128-row tiles, M = 4096 0.93x with 192-row ones; BENCHMARKS.md), probably because the faster
+// 128-row tiles, M = 4096 0.93x with 192-row ones; D-020, D-041), probably because the faster
 // tiles fall out of step with those that share their weight tiles in L2.
 //
 // CLUSTER=2 (BM = 128, DYNAMIC; cuda.rs decides): 2-block clusters as in moe_gemm_fp8_sm90_ws.cu

@@ -37,7 +37,7 @@
 //   ORDER_MMA=1 (the default, halves only): the two MMA warpgroups take turns at issuing their
 //   halves (named barriers 2 and 3), so one's MMAs run while the other waits for and promotes its
 //   own; a half all in one weight block (always when N % 128 == 0) takes one scale per row. H200
-//   (BENCHMARKS.md, "ordered issue"): GEMM1 as fast as the quarters below with 6 % fewer
+//   (decisions D-049, D-050): GEMM1 as fast as the quarters below with 6 % fewer
 //   instructions, 1.02-1.10x the unordered halves per layer; passing the turn only once the
 //   warpgroup's MMAs are done (strict alternation on the tensor cores) is 0.92-0.98x.
 //   PIPE_PROMOTE = p > 0 (1, 2 or 4): the partial is split into two
@@ -46,8 +46,8 @@
 //   own MMAs run under its promotion; same products, same fmaf, same order (bit-identical to
 //   PIPE_PROMOTE=0, tests/cuda_fp8_promotion.rs). ptxas serializes every wgmma (C7514) when a
 //   group is in flight across a loop's back edge, so the K loop takes p K blocks per iteration
-//   and drains once per iteration (the last quarter is promoted alone). H200 (BENCHMARKS.md,
-//   "promotion pipelined over 64-row quarters"): 1.03-1.08x the unordered halves per layer at
+//   and drains once per iteration (the last quarter is promoted alone). H200 (decision
+//   D-030): 1.03-1.08x the unordered halves per layer at
 //   M >= 2048 (it was GEMM1's default before ORDER_MMA); ncu: the wgmma waits leave the stall
 //   samples, the wgmma issue (A re-read per quarter) and the promotion's issue slots stay.
 //   The loaders bring A's group scales of the stage's K block (cp.async, 4 bytes per row, under
@@ -71,7 +71,7 @@
 //   MMA warps). Rank 0 claims the units and hands them to rank 1 (remote store + cluster-scope
 //   arrival); its tile-empty barriers count both blocks' readers. Slots go back by remote arrivals
 //   at CTA scope: a cluster-scope release there costs a GPU-wide MEMBAR per stage and warp.
-//   H200 (BENCHMARKS.md, "2-block clusters"): a third less L2 traffic, a tie to 1.04x.
+//   H200 (decision D-077): a third less L2 traffic, a tie to 1.04x.
 //
 // ROUTE_ROWS=1 (MODE 2, one K split): y32 points at bf16 [num_routes, n_out] and each route's
 // weighted row is stored there (common/moe_epilogue.cuh gemm2_row) for moe_finalize.cu's top-k sum.

@@ -82,7 +82,7 @@ pub(crate) fn cuda_storage<'a>(
 pub const FMOE_DEV_PDL: &str = "FMOE_DEV_PDL";
 
 /// Whether `FMOE_DEV_PDL` is on when unset: on, it measured 2-3.6 % faster at M = 1-2 for the fp8
-/// methods under graph replay on an H200 and neutral elsewhere (BENCHMARKS.md, 2026-12-01).
+/// methods under graph replay on an H200 and neutral elsewhere (decisions D-037, D-038).
 const PDL_DEFAULT: bool = true;
 
 /// `FMOE_DEV_PDL`, read once per process: the switch (default on), or [`fmoe_core::Error::InvalidEnv`]
@@ -113,7 +113,7 @@ pub(crate) fn pdl_enabled(backend: &CudaBackend) -> Result<bool> {
 }
 
 /// Largest batch (tokens) whose MoE kernel chain launches with Programmatic Dependent Launch.
-/// On the H200 (BENCHMARKS.md, 2026-12-01, pdl3 beside main) PDL made the fp8 chain 1.5-3 % faster
+/// On the H200 (decision D-038) PDL made the fp8 chain 1.5-3 % faster
 /// at M = 1-2, tied at M = 4 and was 0.5-1 % slower at M = 16, where the chain's kernels are long
 /// enough to hide the launch gap and the PDL builds' waits only cost; above 4 tokens the plain
 /// kernels (no wait, no laundered pointers) run as before.

@@ -233,8 +233,8 @@ pub fn align_routes_tiled(
 
 /// The (short, tall) blocks of an expert with `count` routes under mixed tiles of `short` and
 /// 3/2 · `short` rows (the CUDA kernel's `mixed_blocks`): all short or all tall, whichever pads it
-/// to fewer slots; on a tie tall up to two tall blocks, short past that. H200, bf16 (BENCHMARKS.md
-/// "mixed tile heights"): 257–384 routes as two tall blocks instead of three short ones gained 3 %
+/// to fewer slots; on a tie tall up to two tall blocks, short past that. H200, bf16 (decision
+/// D-043): 257–384 routes as two tall blocks instead of three short ones gained 3 %
 /// at DeepSeek-V3 M = 8192; ~1536 routes as eight tall blocks lost 4 % at Mixtral-8x7B M = 6144
 /// (compute-bound, where the short tiles run faster).
 pub fn mixed_blocks(count: usize, short: usize) -> (usize, usize) {

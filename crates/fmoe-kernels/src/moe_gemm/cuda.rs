@@ -150,7 +150,7 @@ pub const SM90_SMALL: GemmConfig = GemmConfig {
 
 /// wgmma kernel, prefill-sized batches: 128 × 256 tiles halve the weight re-reads per route. The
 /// pipe kernel (loader with every stage in flight, GEMM2 with vector reductions), persistent,
-/// tiles claimed from a counter in grouped order (H200, BENCHMARKS.md: 1.19–1.27× faster than
+/// tiles claimed from a counter in grouped order (H200, decision D-014: 1.19–1.27× faster than
 /// the warp-specialized kernel before it (`moe_gemm_bf16_sm90_ws.cu`, removed; its loader kept
 /// two stages in flight) at M = 1024–16384 on Mixtral-8x7B/8x22B and DeepSeek-V3 at 16384; the
 /// non-persistent "pipe" and the fixed-stride "persist" are within the run-to-run noise of it).
@@ -362,11 +362,11 @@ fn mid_max_routes_per_expert() -> usize {
     })
 }
 
-/// Average routes per expert from which [`SM90_LARGE`] wins (H200, BENCHMARKS.md "small-M layer"):
+/// Average routes per expert from which [`SM90_LARGE`] wins (H200, decision D-009):
 /// at 64 the 64-row tiles are full on average, some experts already need two of them, and the
 /// small tiles' L2 traffic (a 64 × 128 tile per 64-wide K step) caps them below the DRAM rate
 /// (Mixtral-8x7B M = 256: 0.977 → 0.774 ms bf16, 0.574 → 0.476 ms fp8 per-tensor). Swept again for
-/// all three methods (BENCHMARKS.md 2026-12-01 "GEMM2 without the y32 read-modify-write"): 192 or
+/// all three methods (decision D-009, measured beside D-028): 192 or
 /// 384 lose 1.23–2.15× wherever they move a batch to the 64-row tiles (DeepSeek-V3 at 128 routes per
 /// expert too, despite the 128-row tiles' 1.5× padding there); 32 wins and loses alike.
 pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
@@ -374,7 +374,7 @@ pub const LARGE_TILE_ROUTES_PER_EXPERT: usize = 64;
 /// Average routes per expert where [`SM90_TALL`] replaces [`SM90_LARGE`] when tiles are uniform
 /// (few experts; [`GemmConfig::tiling`] aligns many experts with mixed tiles): there most experts fit
 /// one 192-row block, where 128-row tiles give many of them a second, mostly empty block that
-/// streams the expert's weights again. H200 (BENCHMARKS.md, "192 x 192"): 1.13-1.20x at 128 and
+/// streams the expert's weights again. H200 (decision D-040): 1.13-1.20x at 128 and
 /// 160 routes per expert on DeepSeek-V3, 1.16x at 160 and a tie at 128 on Mixtral-8x7B; 0.87-0.94x
 /// at 96 (one 128-row block already holds an expert), 192 and 256 (experts past 192 routes need
 /// two 192-row blocks), 0.98-1.0x where compute-bound (4096 per expert).
@@ -393,7 +393,7 @@ fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
 /// Average routes per expert from which bf16 routes are aligned with mixed tile heights: each
 /// expert's run in [`SM90_LARGE`]'s 128-row or [`SM90_TALL`]'s 192-row blocks, whichever pads it
 /// less ([`crate::moe_align::RouteTiling::Mixed`]), and each GEMM runs both kernels, one launch per
-/// segment. H200, bf16 (BENCHMARKS.md "mixed tile heights"), against one height: DeepSeek-V3 M =
+/// segment. H200, bf16 (decision D-043), against one height: DeepSeek-V3 M =
 /// 4096-16384 1.03-1.08x, Mixtral-8x7B M = 2048 1.08x and 768 1.03x; with 8 experts the two
 /// launches' tails cost 1-3 % where little padding goes (Mixtral-8x7B M = 384-640), so
 /// below this only batches over `MIXED_TILE_MANY_EXPERTS` (64) experts take mixed tiles from
@@ -1225,7 +1225,7 @@ pub const DEV_ONE_BLOCK_RASTER_ENV: &str = "FMOE_DEV_ONE_BLOCK_RASTER";
 /// many experts (at least [`ONE_BLOCK_RASTER_MIN_EXPERTS`]) whose routes fit one `bm`-row block on
 /// average, no two M blocks share a weight tile, so the groups only spread each block's activation
 /// rows over 16 x (N tiles) claims, long enough for the streamed weights to evict them from L2
-/// between uses. H200, DeepSeek-V3 (BENCHMARKS.md, "one M block at a time"): the four bf16 GEMM
+/// between uses. H200, DeepSeek-V3 (decision D-068): the four bf16 GEMM
 /// launches at M = 4096 read 23.3 GB from DRAM instead of 26.1 (22.5 GB of weights); the layer
 /// 1.06-1.11x faster at M = 2048-5120, fp8 per-tensor 1.075x and block-scaled 1.016x at 4096, a
 /// tie at 8192 (two or more blocks per expert, where the groups do share weight tiles, so the rule
@@ -1632,8 +1632,8 @@ fn n_out_even_define() -> (&'static str, String) {
 pub const ROUTE_ROWS_MIN_TOP_K: usize = 4;
 
 /// The rule of [`Gemm2Sum::Auto`]: per-route rows for top-k ≥ `ROUTE_ROWS_MIN_TOP_K` (4) when y32
-/// (f32 [tokens, K]) outgrows L2. Why (H200, BENCHMARKS.md 2026-12-01 "GEMM2 without the y32
-/// read-modify-write"): the rows take GEMM2's reductions out (ncu: DeepSeek-V3 bf16 M = 16384
+/// (f32 [tokens, K]) outgrows L2. Why (H200, decision D-028, GEMM2 without the y32
+/// read-modify-write): the rows take GEMM2's reductions out (ncu: DeepSeek-V3 bf16 M = 16384
 /// GEMM2 6.93 → 6.67 ms, fp8-block M = 8192 2.70 → 2.52) but their top-k sum reads routes × K × 2
 /// bytes where the cast read tokens × K × 4 (0.25 → 0.50 ms, at the DRAM rate). They pay where
 /// the reductions are costly: with top-8 a token's 8 routes add into one y32 row from blocks that

@@ -47,10 +47,10 @@
 //!   232), A's group scales carried in the stage by the loaders. The other promotion schedules
 //!   ([`FP8_BLOCK_LARGE_HALVES`]: unordered; [`FP8_BLOCK_LARGE_QUARTERS`]: 64-row quarters, each
 //!   promoted while the next multiplies) give the same bits; on the H200 the ordered halves match
-//!   or beat both (BENCHMARKS.md, "ordered issue"). In both large variants a tile whose rows 64..
+//!   or beat both (decision D-049). In both large variants a tile whose rows 64..
 //!   are all padding is multiplied by one warpgroup ([`lone_warpgroup`]).
 //!
-//! H200 (BENCHMARKS.md, "fp8 prefill GEMMs: warp-specialized"): the large variants are 1.13-1.26×
+//! H200 (decisions D-013, D-023): the large variants are 1.13-1.26×
 //! (per-tensor) and 1.34-1.73× (block) faster than the kernels they replaced, at M = 1024-16384;
 //! all stages in flight and the persistent grid added 1.03-1.13× (block) and up to 1.07×
 //! (per-tensor) ("fp8 prefill GEMMs: every stage in flight"; ncu: bound by L2→SM traffic).
@@ -211,8 +211,8 @@ pub const FP8_BLOCK_SCALED: Fp8GemmConfig = Fp8GemmConfig {
 /// promoted per 128-wide K block in 128-row halves, each waited for and promoted, the two MMA
 /// warpgroups taking turns at issuing so one multiplies while the other promotes (`-D ORDER_MMA`;
 /// H200: 0.97-1.05× the quarters in GEMM1 / halves in GEMM2 it replaced, noise-level, with 6 %
-/// fewer instructions, and 1.02-1.10× the unordered halves at M = 1536-16384, BENCHMARKS.md,
-/// "ordered issue"); persistent (tiles claimed in grouped order from a counter).
+/// fewer instructions, and 1.02-1.10× the unordered halves at M = 1536-16384, decision
+/// D-049); persistent (tiles claimed in grouped order from a counter).
 pub const FP8_BLOCK_LARGE: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::Block,
     bm: 128,
@@ -248,7 +248,7 @@ pub const FP8_BLOCK_LARGE_QUARTERS: Fp8GemmConfig = Fp8GemmConfig {
 /// Per-tensor, few routes per expert (below [`SWAPAB_ROUTES_PER_EXPERT`] on average): swap-AB,
 /// 256 weight rows × 16 routes per block, promoted per 128-wide K tile, a 3-deep TMA ring (103
 /// KiB: two blocks per SM, 192 KiB of weights in flight per SM; on the H200 3 stages beat 4 and
-/// 6, one block per SM, by 1-5 %, BENCHMARKS.md).
+/// 6, one block per SM, by 1-5 %, decision D-019).
 pub const FP8_TENSOR_SWAPAB: Fp8GemmConfig = Fp8GemmConfig {
     scheme: Fp8Scheme::PerTensor,
     bm: 16,
@@ -281,8 +281,8 @@ pub const SWAPAB_ROUTE_BLOCKS: [usize; 4] = [16, 32, 64, 128];
 /// From [`SWAPAB_ROUTES_PER_EXPERT`] up to below this many routes per expert on average the
 /// swap-AB variants run with 32-route blocks: up to about 25 a block holds an expert's mean + 1.5
 /// standard deviations of routes (mean m, deviation about sqrt(m)), so nearly every expert streams
-/// its weights once, two blocks per SM, GEMM2 unsplit. H200 (BENCHMARKS.md, "swap-AB with 32-route
-/// blocks"), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
+/// its weights once, two blocks per SM, GEMM2 unsplit. H200 (decisions D-032 and
+/// D-033), against the 64-row tiles: DeepSeek-V3 at 16 routes per expert 1.06-1.13x faster, at
 /// 24 1.01-1.08x, Mixtral-8x7B at 24 1.03-1.22x (every method); at 32 (about half the experts
 /// need a second block) 1.06-1.17x slower; 64-route blocks take over from here
 /// ([`SWAPAB_WIDE_ROUTES_PER_EXPERT`]).
@@ -291,15 +291,15 @@ pub const SWAPAB_MID_ROUTES_PER_EXPERT: usize = 25;
 /// From the 32-route range's end ([`SWAPAB_MID_ROUTES_PER_EXPERT`]) up to below this many routes
 /// per expert on average the swap-AB kernels run with 64-route blocks (one block per SM, a 5-deep
 /// TMA ring, GEMM1 on the persistent grid, [`swapab_persistent`]) instead of the 64-row tiles, bf16
-/// and per-tensor fp8 (block-scaled: [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]). H200 (BENCHMARKS.md,
-/// "persistent swap-AB"): DeepSeek-V3 at 32 and 48 routes per expert 1.04-1.06x faster than the
+/// and per-tensor fp8 (block-scaled: [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`]). H200 (decisions
+/// D-055, D-058): DeepSeek-V3 at 32 and 48 routes per expert 1.04-1.06x faster than the
 /// tiles (bf16 and per-tensor); before GEMM1 was persistent they lost 1.01-1.03x at 32.
 pub const SWAPAB_WIDE_ROUTES_PER_EXPERT: usize = 49;
 
 /// [`SWAPAB_WIDE_ROUTES_PER_EXPERT`] for block-scaled fp8, whose 64-row tiles pay the per-K-block
 /// promotion on the MMA warps' critical path while swap-AB's stream the weights through TMA with
-/// the promotion under the loads. H200 (BENCHMARKS.md, "64-route swap-AB blocks for block-scaled
-/// fp8", "persistent swap-AB"): 1.05-1.09x faster on DeepSeek-V3 at 28-48 routes per expert,
+/// the promotion under the loads. H200 (decisions D-036 and
+/// D-058): 1.05-1.09x faster on DeepSeek-V3 at 28-48 routes per expert,
 /// 1.15-1.17x on Mixtral-8x7B (a tie at 24, where the 32-route blocks stay), and with the
 /// persistent GEMM1 1.03-1.05x at 56 on DeepSeek-V3; at 64 per expert 1.16-1.24x slower (second
 /// blocks stream the weights again), so the range ends past 56.
@@ -361,7 +361,7 @@ pub const fn swapab_threads(bn: usize) -> u32 {
 /// 8.3 → 7.8 GB from DRAM, GEMM1 2.00 → 1.88 ms). The tiles are claimed from a counter
 /// ([`swapab_dynamic`]): with a static stride GEMM2 ran slower persistent than a block per tile
 /// (1.38 → 1.40-1.52 ms), the slowest SM's share deciding; claimed, both GEMMs persistent beat
-/// GEMM1 alone on DeepSeek-V3 by 1.5-6 % (BENCHMARKS.md, "dynamic persistent swap-AB").
+/// GEMM1 alone on DeepSeek-V3 by 1.5-6 % (decisions D-056, D-060).
 /// Dev-only [`DEV_SWAPAB_PERSIST_ENV`] overrides.
 pub fn swapab_persistent(bn: usize, mode: u32) -> bool {
     bn >= 64
@@ -545,7 +545,7 @@ fn dev_raster_gm() -> Option<usize> {
 /// rows 64.. are all padding (`-D SKIP_PAD_WG`: an expert's last block of at most 64 routes; the
 /// first warpgroup multiplies it alone), both schemes: the block-scaled kernel's MMA warps bound
 /// it, so half such a tile's multiplies and promotions go (H200, DeepSeek-V3 M = 2048-16384:
-/// 1.02-1.05×; per-tensor 1.00-1.04×, BENCHMARKS.md, "a lone warpgroup"). Dev-only
+/// 1.02-1.05×; per-tensor 1.00-1.04×, decision D-059). Dev-only
 /// `FMOE_DEV_FP8_LONE_WG=<all|tensor|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
 fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
     static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
@@ -833,8 +833,8 @@ impl Fp8GemmConfig {
     /// Whether the launch runs in 2-block clusters (`-D CLUSTER=2`): the two M blocks of a pair
     /// share the weight tile by TMA multicast when they are one expert's, so a block reads 32 KB
     /// per K step from L2 instead of 48. Per-tensor, warp-specialized, and not walking one M block
-    /// at a time (there every expert fits one block and no pair would share). H200 (BENCHMARKS.md,
-    /// "2-block clusters"), per-tensor: Mixtral-8x7B M = 1024-16384 1.01-1.04× in two calls (a
+    /// at a time (there every expert fits one block and no pair would share). H200 (decision
+    /// D-077), per-tensor: Mixtral-8x7B M = 1024-16384 1.01-1.04× in two calls (a
     /// third less L2 traffic; GEMM1 ran at a higher clock under the power cap), DeepSeek-V3 a tie;
     /// block-scaled 0.94-1.02× (its MMA warps bound it, and the pair's rings move in step), so it
     /// stays solo ([`DEV_FP8_PAIR_ENV`] overrides).
