@@ -148,13 +148,10 @@ pub fn generate(
         }
         engine.step()?;
     }
-    let mut prompts_left = prompts.iter().map(Vec::len).sum::<usize>();
     while unfinished > 0 {
         let t0 = Instant::now();
-        let before = engine.stats().prompt_tokens;
         let step = engine.step()?;
         let dt = t0.elapsed().as_secs_f64();
-        let _ = before;
         let mut sampled = 0;
         let mut prefill = false;
         for out in step {
@@ -162,7 +159,6 @@ pub fn generate(
             let o = &mut outputs[i];
             if o.token_ids.is_empty() && !out.new_token_ids.is_empty() {
                 prefill = true;
-                prompts_left = prompts_left.saturating_sub(o.prompt_tokens);
             }
             sampled += out.new_token_ids.len();
             o.token_ids.extend(&out.new_token_ids);

@@ -197,10 +197,9 @@ fn request(prompt: Vec<u32>, output_len: usize) -> Request {
 
 /// Steps until every request is done, with a progress bar over finished requests; returns
 /// (seconds, output tokens).
-fn drain(engine: &mut Engine, total: usize, bar: &indicatif::ProgressBar) -> Result<(f64, usize)> {
+fn drain(engine: &mut Engine, bar: &indicatif::ProgressBar) -> Result<(f64, usize)> {
     let t0 = Instant::now();
     let mut out_tokens = 0;
-    let mut done = 0;
     while engine.has_unfinished() {
         for o in engine.step()? {
             out_tokens += o.new_token_ids.len();
@@ -208,12 +207,10 @@ fn drain(engine: &mut Engine, total: usize, bar: &indicatif::ProgressBar) -> Res
                 if let fmoe_engine::FinishReason::Error(e) = r {
                     bail!("request {} failed: {e}", o.id);
                 }
-                done += 1;
                 bar.inc(1);
             }
         }
     }
-    let _ = (done, total);
     Ok((t0.elapsed().as_secs_f64(), out_tokens))
 }
 
@@ -311,7 +308,7 @@ pub fn throughput(a: ThroughputArgs) -> Result<()> {
             e.add_request(request(random_prompt(&mut rng, i, vocab), o))?;
         }
         let b = bar(a.num_prompts);
-        let (s, out) = drain(&mut e, a.num_prompts, &b)?;
+        let (s, out) = drain(&mut e, &b)?;
         b.finish_and_clear();
         let mut row = base_row("throughput", &e, c, a.num_prompts);
         row.preemptions = e.stats().preemptions;
