@@ -5,6 +5,7 @@ mod bench_model;
 pub mod engine_flags;
 pub mod generate;
 pub mod kernels;
+pub mod serve;
 
 use anyhow::Result;
 use fmoe_core::Device;
