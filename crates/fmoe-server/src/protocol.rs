@@ -30,8 +30,12 @@ pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
         return Err(ApiError::invalid("the body is empty; send a JSON object"));
     }
     let de = &mut serde_json::Deserializer::from_str(text);
-    match serde_path_to_error::deserialize::<_, T>(de) {
-        Ok(v) => Ok(v),
+    match serde_path_to_error::deserialize::<_, T>(&mut *de) {
+        Ok(v) => {
+            de.end()
+                .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
+            Ok(v)
+        }
         Err(e) => {
             let path = e.path().to_string();
             let inner = e.into_inner();
