@@ -135,14 +135,16 @@ where
             return Err(e);
         }
     };
-    let ready = ready(&shared, loaded)?;
-    shared.set_phase(Phase::Ready(Arc::new(ready)));
+    let ready = Arc::new(ready(&shared, loaded)?);
+    shared.set_phase(Phase::Ready(ready.clone()));
     tracing::info!("ready: serving `{}`", shared.config.served_model_name);
     signal.await;
     tracing::info!("stopping: finishing the requests in flight");
     shared.set_phase(Phase::Stopping);
     let _ = stop_tx.send(());
     let _ = server.await;
+    // The engine thread lives while this handle does: requests in flight finish first.
+    drop(ready);
     tracing::info!("stopped");
     Ok(())
 }

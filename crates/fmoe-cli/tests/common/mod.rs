@@ -189,6 +189,11 @@ impl Server {
         let pid = self.child.id().to_string();
         let ok = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
         assert!(ok.success());
+        self.terminate_wait()
+    }
+
+    /// Waits (up to 60 s) for the exit and returns its status code.
+    pub fn terminate_wait(&mut self) -> Option<i32> {
         let t0 = Instant::now();
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
