@@ -16,7 +16,11 @@ fn generate(model: &str, ids: &str, max_tokens: usize) -> Value {
         .args(["--max-tokens", &max_tokens.to_string()])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     serde_json::from_str(text.lines().last().unwrap()).unwrap()
 }
@@ -36,17 +40,28 @@ fn greedy_text_matches_generate_whole_and_streamed() {
         assert_eq!(v["choices"][0]["text"], want, "{name}");
         assert_eq!(
             v["choices"][0]["finish_reason"],
-            if g["finish_reason"] == "length" { "length" } else { "stop" }
+            if g["finish_reason"] == "length" {
+                "length"
+            } else {
+                "stop"
+            }
         );
         assert_eq!(v["usage"]["prompt_tokens"], 5);
-        assert_eq!(v["usage"]["completion_tokens"], g["token_ids"].as_array().unwrap().len());
+        assert_eq!(
+            v["usage"]["completion_tokens"],
+            g["token_ids"].as_array().unwrap().len()
+        );
 
         let body = r#"{"prompt":[1,17,42,99,7],"max_tokens":24,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}"#;
         let r = server.post("/v1/completions", body);
         assert_eq!(r.status, 200);
         assert_eq!(r.header("content-type"), Some("text/event-stream"));
         let events = r.events();
-        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{events:?}");
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
         let chunks: Vec<Value> = events[..events.len() - 1]
             .iter()
             .map(|e| serde_json::from_str(e).unwrap())
@@ -92,10 +107,13 @@ fn echo_logprobs_and_chat() {
     assert!(tl[0].is_null() && lp["top_logprobs"][0].is_null());
     for (i, t) in tl.iter().enumerate().skip(1) {
         let t = t.as_f64().unwrap();
-        assert!(t <= 0.0 && t >= -9999.0);
+        assert!((-9999.0..=0.0).contains(&t));
         let top = lp["top_logprobs"][i].as_object().unwrap();
         assert!(top.len() >= 2 && top.len() <= 3, "{top:?}");
-        let best = top.values().map(|x| x.as_f64().unwrap()).fold(f64::MIN, f64::max);
+        let best = top
+            .values()
+            .map(|x| x.as_f64().unwrap())
+            .fold(f64::MIN, f64::max);
         assert!(best >= t);
     }
     assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
@@ -106,12 +124,21 @@ fn echo_logprobs_and_chat() {
         r#"{"prompt":[1,17,42,99],"max_tokens":3,"echo":true,"logprobs":1,"temperature":0,"ignore_eos":true}"#,
     );
     let v = r.json();
-    assert_eq!(v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().len(), 7);
+    assert_eq!(
+        v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        7
+    );
     assert_eq!(v["usage"]["completion_tokens"], 3);
 
     // Chat: the template's prompt, generated greedily, equals a completion of the same ids.
-    let msgs = r#"[{"role":"system","content":"  be brief  "},{"role":"user","content":"Hello there"}]"#;
-    let t = server.post("/tokenize", &format!(r#"{{"messages":{msgs}}}"#)).json();
+    let msgs =
+        r#"[{"role":"system","content":"  be brief  "},{"role":"user","content":"Hello there"}]"#;
+    let t = server
+        .post("/tokenize", &format!(r#"{{"messages":{msgs}}}"#))
+        .json();
     let ids = t["tokens"].clone();
     assert!(t["count"].as_u64().unwrap() > 3);
     assert_eq!(ids[0], 1, "the template writes BOS: {t}");
@@ -131,7 +158,10 @@ fn echo_logprobs_and_chat() {
             &format!(r#"{{"prompt":{ids},"max_tokens":12,"temperature":0}}"#),
         )
         .json();
-    assert_eq!(chat["choices"][0]["message"]["content"], plain["choices"][0]["text"]);
+    assert_eq!(
+        chat["choices"][0]["message"]["content"],
+        plain["choices"][0]["text"]
+    );
     assert_eq!(chat["usage"]["prompt_tokens"], t["count"]);
     // Streamed chat: a role delta first, the same text, [DONE].
     let r = server.post(
@@ -147,7 +177,11 @@ fn echo_logprobs_and_chat() {
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks
         .iter()
-        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(text, plain["choices"][0]["text"].as_str().unwrap());
 
@@ -236,7 +270,12 @@ fn hang_up_mid_stream_frees_its_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let model = slow_model(dir.path());
     let server = Server::start(&model, &["--load-format", "dummy"]);
-    assert_eq!(server.health_seen.first(), Some(&503), "503 while loading: {:?}", server.health_seen);
+    assert_eq!(
+        server.health_seen.first(),
+        Some(&503),
+        "503 while loading: {:?}",
+        server.health_seen
+    );
     let body = r#"{"prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17,18,19,20],"max_tokens":200,"ignore_eos":true,"stream":true}"#;
     let mut st = Stream::open(&server, "/v1/completions", body);
     assert_eq!(st.status, 200);
@@ -255,7 +294,10 @@ fn hang_up_mid_stream_frees_its_blocks() {
         m["fmoe:generation_tokens_total"] < 100.0,
         "aborted, not run to the end ({before} tokens at the hang-up): {m:?}"
     );
-    assert_eq!(m["fmoe:request_success_total{finished_reason=\"abort\"}"], 1.0);
+    assert_eq!(
+        m["fmoe:request_success_total{finished_reason=\"abort\"}"],
+        1.0
+    );
     eprintln!("blocks freed {:?} after the hang-up", t0.elapsed());
 }
 
@@ -265,9 +307,16 @@ fn a_full_queue_gets_429_and_sigterm_finishes_what_runs() {
     let model = slow_model(dir.path());
     let mut server = Server::start(
         &model,
-        &["--load-format", "dummy", "--max-num-seqs", "1", "--max-queued-requests", "1"],
+        &[
+            "--load-format",
+            "dummy",
+            "--max-num-seqs",
+            "1",
+            "--max-queued-requests",
+            "1",
+        ],
     );
-    let long = r#"{"prompt":[1,2,3],"max_tokens":150,"ignore_eos":true,"stream":true}"#;
+    let long = r#"{"prompt":[1,2,3],"max_tokens":240,"ignore_eos":true,"stream":true}"#;
     let mut a = Stream::open(&server, "/v1/completions", long);
     assert_eq!(a.status, 200);
     assert!(a.next_event().is_some(), "a runs");
@@ -285,7 +334,10 @@ fn a_full_queue_gets_429_and_sigterm_finishes_what_runs() {
     let pid = server.child.id();
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(200));
-        Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap()
+        Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap()
     });
     let mut events = Vec::new();
     while let Some(e) = a.next_event() {
@@ -295,11 +347,18 @@ fn a_full_queue_gets_429_and_sigterm_finishes_what_runs() {
     assert!(killer.join().unwrap().success());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
     let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
-    assert_eq!(last["choices"][0]["finish_reason"], "length", "a finished: {last}");
+    assert_eq!(
+        last["choices"][0]["finish_reason"], "length",
+        "a finished: {last}"
+    );
     assert!(
         streamed_for > Duration::from_millis(300),
         "a was still streaming when SIGTERM came ({streamed_for:?})"
     );
     assert_eq!(server.terminate_wait(), Some(0), "{}", server.log_text());
-    assert!(server.log_text().contains("stopping"), "{}", server.log_text());
+    assert!(
+        server.log_text().contains("stopping"),
+        "{}",
+        server.log_text()
+    );
 }

@@ -19,17 +19,32 @@ fn bench_serve_writes_its_row() {
     let json = dir.path().join("rows.json");
     for (rate, conc) in [("inf", "8"), ("200", "64")] {
         let out = Command::new(env!("CARGO_BIN_EXE_fmoe"))
-            .args(["bench", "serve", "--base-url", &format!("http://{}", server.addr)])
+            .args([
+                "bench",
+                "serve",
+                "--base-url",
+                &format!("http://{}", server.addr),
+            ])
             .args(["--endpoint", "/v1/completions", "--dataset-name", "random"])
             .args(["--random-input-len", "24", "--random-output-len", "16"])
             .args(["--random-range-ratio", "0.5", "--num-prompts", "40"])
-            .args(["--request-rate", rate, "--max-concurrency", conc, "--ignore-eos"])
+            .args([
+                "--request-rate",
+                rate,
+                "--max-concurrency",
+                conc,
+                "--ignore-eos",
+            ])
             .arg("--json")
             .arg(&json)
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         assert!(stdout.contains("Successful requests:"), "{stdout}");
         assert!(stdout.contains("P99 ITL (ms):"), "{stdout}");
     }
@@ -57,7 +72,10 @@ fn bench_serve_writes_its_row() {
     }
     assert!(rows[1]["request_rate"].as_f64() == Some(200.0));
     let m = server.metrics();
-    assert_eq!(m["fmoe:request_success_total{finished_reason=\"length\"}"], 80.0, "{m:?}");
+    assert_eq!(
+        m["fmoe:request_success_total{finished_reason=\"length\"}"], 80.0,
+        "{m:?}"
+    );
     server.assert_idle();
 }
 
@@ -137,8 +155,15 @@ fn soak_64_streaming_clients() {
     let end = rss_kib(pid);
     let failures = failures.lock().unwrap();
     let n = done.load(Ordering::Relaxed);
-    eprintln!("soak: {n} requests in {secs} s, RSS {warm} KiB warm, {peak} KiB peak, {end} KiB at the end");
-    assert!(failures.is_empty(), "{} failures: {:?}", failures.len(), &failures[..failures.len().min(5)]);
+    eprintln!(
+        "soak: {n} requests in {secs} s, RSS {warm} KiB warm, {peak} KiB peak, {end} KiB at the end"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failures: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(5)]
+    );
     assert!(n as u64 >= 64 * secs / 4, "only {n} requests completed");
     assert!(
         peak <= warm + 8 * 1024,

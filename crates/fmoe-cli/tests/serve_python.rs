@@ -115,14 +115,25 @@ fn openai_client_and_lm_eval_match_the_engine() {
         .arg(&out)
         .status()
         .unwrap();
-    assert!(st.success(), "openai_clients.py failed\n{}", server.log_text());
+    assert!(
+        st.success(),
+        "openai_clients.py failed\n{}",
+        server.log_text()
+    );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let want = run(&mut eng, vec![1, 17, 42, 99, 7], greedy(20, vec![]));
     assert_eq!(v["completion"]["text"], want.text.as_str());
     assert_eq!(v["completion_stream"]["text"], want.text.as_str());
     assert!(v["completion_stream"]["chunks"].as_u64().unwrap() > 1);
-    assert_eq!(v["completion_stream"]["usage"], v["completion"]["completion_tokens"]);
-    let reason = if want.finish == FinishReason::Length { "length" } else { "stop" };
+    assert_eq!(
+        v["completion_stream"]["usage"],
+        v["completion"]["completion_tokens"]
+    );
+    let reason = if want.finish == FinishReason::Length {
+        "length"
+    } else {
+        "stop"
+    };
     assert_eq!(v["completion"]["finish_reason"], reason);
     let chat_text = "<s>[INST] Hello there [/INST]";
     let chat_ids = tok.encode(chat_text, false).unwrap();

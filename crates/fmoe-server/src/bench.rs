@@ -93,10 +93,18 @@ struct Outcome {
 fn check(cfg: &BenchConfig) -> Result<(), BenchError> {
     let bad = |field, value: String, msg| Err(BenchError::Config { field, value, msg });
     if cfg.dataset_name != "random" {
-        return bad("--dataset-name", cfg.dataset_name.clone(), "only `random` is supported");
+        return bad(
+            "--dataset-name",
+            cfg.dataset_name.clone(),
+            "only `random` is supported",
+        );
     }
     if cfg.endpoint != "/v1/completions" {
-        return bad("--endpoint", cfg.endpoint.clone(), "only /v1/completions is supported");
+        return bad(
+            "--endpoint",
+            cfg.endpoint.clone(),
+            "only /v1/completions is supported",
+        );
     }
     if !(0.0..1.0).contains(&cfg.random_range_ratio) {
         return bad(
@@ -146,7 +154,11 @@ fn server_err(url: &str, msg: impl std::fmt::Display) -> BenchError {
 }
 
 async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value, BenchError> {
-    let r = client.get(url).send().await.map_err(|e| server_err(url, e))?;
+    let r = client
+        .get(url)
+        .send()
+        .await
+        .map_err(|e| server_err(url, e))?;
     if !r.status().is_success() {
         return Err(server_err(url, format!("status {}", r.status())));
     }
@@ -207,7 +219,9 @@ async fn run_async(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     let limit = Arc::new(Semaphore::new(
         cfg.max_concurrency.unwrap_or(Semaphore::MAX_PERMITS),
     ));
-    let gaps = Exp::new(cfg.request_rate).ok().filter(|_| cfg.request_rate.is_finite());
+    let gaps = Exp::new(cfg.request_rate)
+        .ok()
+        .filter(|_| cfg.request_rate.is_finite());
     let target = format!("{base}{}", cfg.endpoint);
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(requests.len());
@@ -404,20 +418,47 @@ impl BenchReport {
     pub fn table(&self) -> String {
         let mut s = String::new();
         let mut line = |k: &str, v: String| s.push_str(&format!("{k:<40}{v:<10}\n"));
-        line("============ Serving Benchmark Result ============", String::new());
+        line(
+            "============ Serving Benchmark Result ============",
+            String::new(),
+        );
         line("Successful requests:", self.completed.to_string());
         line("Failed requests:", self.failed.to_string());
         line("Benchmark duration (s):", format!("{:.2}", self.duration_s));
         line("Total input tokens:", self.total_input_tokens.to_string());
-        line("Total generated tokens:", self.total_output_tokens.to_string());
-        line("Request throughput (req/s):", format!("{:.2}", self.request_throughput));
-        line("Output token throughput (tok/s):", format!("{:.2}", self.output_throughput));
-        line("Total token throughput (tok/s):", format!("{:.2}", self.total_token_throughput));
+        line(
+            "Total generated tokens:",
+            self.total_output_tokens.to_string(),
+        );
+        line(
+            "Request throughput (req/s):",
+            format!("{:.2}", self.request_throughput),
+        );
+        line(
+            "Output token throughput (tok/s):",
+            format!("{:.2}", self.output_throughput),
+        );
+        line(
+            "Total token throughput (tok/s):",
+            format!("{:.2}", self.total_token_throughput),
+        );
         for (title, m) in [
-            ("Time to First Token", [self.mean_ttft_ms, self.median_ttft_ms, self.p99_ttft_ms]),
-            ("Time per Output Token (excl. 1st token)", [self.mean_tpot_ms, self.median_tpot_ms, self.p99_tpot_ms]),
-            ("Inter-token Latency", [self.mean_itl_ms, self.median_itl_ms, self.p99_itl_ms]),
-            ("End-to-end Latency", [self.mean_e2el_ms, self.median_e2el_ms, self.p99_e2el_ms]),
+            (
+                "Time to First Token",
+                [self.mean_ttft_ms, self.median_ttft_ms, self.p99_ttft_ms],
+            ),
+            (
+                "Time per Output Token (excl. 1st token)",
+                [self.mean_tpot_ms, self.median_tpot_ms, self.p99_tpot_ms],
+            ),
+            (
+                "Inter-token Latency",
+                [self.mean_itl_ms, self.median_itl_ms, self.p99_itl_ms],
+            ),
+            (
+                "End-to-end Latency",
+                [self.mean_e2el_ms, self.median_e2el_ms, self.p99_e2el_ms],
+            ),
         ] {
             let short = match title {
                 "Time to First Token" => "TTFT",

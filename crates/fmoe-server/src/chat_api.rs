@@ -19,7 +19,9 @@ use crate::completions::{check_ids, check_model, encode, stop_reason};
 use crate::error::ApiError;
 use crate::http::read_body;
 use crate::metrics::openai_reason;
-use crate::protocol::{ChatRequest, MAX_MESSAGES, engine_params, logprobs_count, max_tokens, parse};
+use crate::protocol::{
+    ChatRequest, MAX_MESSAGES, engine_params, logprobs_count, max_tokens, parse,
+};
 use crate::respond::{
     Choice, finish_error, logprob, response_id, sse_done, sse_error, sse_event, sse_response,
     token_text, unix_now, usage,
@@ -113,7 +115,15 @@ async fn chat(s: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
         prompt_tokens: ids.len(),
         tokenizer: ready.tokenizer.clone(),
     };
-    let running = submit(s, &ready, vec![Request { prompt: ids, params }]).await?;
+    let running = submit(
+        s,
+        &ready,
+        vec![Request {
+            prompt: ids,
+            params,
+        }],
+    )
+    .await?;
     if req.stream.unwrap_or(false) {
         Ok(sse_response(stream_events(running, shape)))
     } else {

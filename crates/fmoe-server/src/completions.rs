@@ -49,7 +49,12 @@ pub fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
 }
 
 /// Encodes a text prompt within the request-size bounds.
-pub fn encode(tok: &Tokenizer, text: &str, special: bool, limit: usize) -> Result<Vec<u32>, ApiError> {
+pub fn encode(
+    tok: &Tokenizer,
+    text: &str,
+    special: bool,
+    limit: usize,
+) -> Result<Vec<u32>, ApiError> {
     let limits = EncodeLimits {
         max_input_bytes: limit,
         max_normalized_bytes: limit.saturating_mul(4),
@@ -251,7 +256,9 @@ fn prompt_entries<'a>(
 
 async fn whole(mut running: Running, shape: Shape) -> Result<Response, ApiError> {
     let n = shape.n;
-    let mut choices: Vec<Choice> = (0..shape.prompts.len() * n).map(|_| Choice::default()).collect();
+    let mut choices: Vec<Choice> = (0..shape.prompts.len() * n)
+        .map(|_| Choice::default())
+        .collect();
     while let Some((p, o)) = running.next().await {
         if let Some(c) = choices.get_mut(p * n + o.index) {
             c.push(&o);
@@ -374,7 +381,12 @@ impl StreamState {
             entries = prompt_entries(ids, o.prompt_logprobs.as_ref());
         }
         text.push_str(&o.text_delta);
-        entries.extend(o.new_token_ids.iter().copied().zip(o.logprobs.iter().map(Some)));
+        entries.extend(
+            o.new_token_ids
+                .iter()
+                .copied()
+                .zip(o.logprobs.iter().map(Some)),
+        );
         let logprobs = match self.shape.top_n {
             None => Value::Null,
             Some(_) => logprobs_json(tok, &entries, sent.chars),

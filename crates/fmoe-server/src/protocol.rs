@@ -228,10 +228,8 @@ pub fn engine_params(
             format!("n must be in 1..={MAX_N}, got {n}"),
         ));
     }
-    let seed = match s.seed {
-        None => None,
-        Some(v) => Some(v as u64),
-    };
+    // Any i64 is a seed (a negative one by its two's complement bits).
+    let seed = s.seed.map(|v| v as u64);
     let stop = match &s.stop {
         None => Vec::new(),
         Some(OneOrMany::One(t)) => vec![t.clone()],

@@ -36,7 +36,9 @@ impl Ready {
     /// The tokenizer, or a 400 saying the model has none.
     pub fn tokenizer(&self, what: &str) -> Result<&Tokenizer, ApiError> {
         self.tokenizer.as_deref().ok_or_else(|| {
-            ApiError::invalid(format!("{what} needs a tokenizer; the model has no tokenizer.json"))
+            ApiError::invalid(format!(
+                "{what} needs a tokenizer; the model has no tokenizer.json"
+            ))
         })
     }
 }

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
 }
 
 pub fn chat_template() -> PathBuf {
@@ -121,7 +123,13 @@ impl Server {
 
     /// Sends the body from another thread while the answer is read, as a browser would: a
     /// server may answer (413) before it has read the body, and stop reading it.
-    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Response {
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Response {
         let mut s = self.connect();
         send_head(&mut s, method, path, headers, Some(body.len()));
         let mut w = s.try_clone().unwrap();
@@ -135,7 +143,12 @@ impl Server {
     }
 
     pub fn post(&self, path: &str, body: &str) -> Response {
-        self.request("POST", path, &[("Content-Type", "application/json")], body.as_bytes())
+        self.request(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            body.as_bytes(),
+        )
     }
 
     pub fn get(&self, path: &str) -> Response {
@@ -145,7 +158,10 @@ impl Server {
     pub fn try_get(&self, path: &str) -> std::io::Result<Response> {
         let mut s = TcpStream::connect(&self.addr)?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )?;
         Ok(read_response(&mut s))
     }
 
@@ -199,7 +215,10 @@ impl Server {
             if let Some(st) = self.child.try_wait().unwrap() {
                 return st.code();
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "no exit 60 s after SIGTERM");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "no exit 60 s after SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -353,7 +372,13 @@ pub struct Stream {
 impl Stream {
     pub fn open(server: &Server, path: &str, body: &str) -> Stream {
         let mut s = server.connect();
-        send_head(&mut s, "POST", path, &[("Content-Type", "application/json")], Some(body.len()));
+        send_head(
+            &mut s,
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            Some(body.len()),
+        );
         s.write_all(body.as_bytes()).unwrap();
         let mut reader = BufReader::new(s.try_clone().unwrap());
         let (status, _) = read_head(&mut reader);
@@ -390,7 +415,11 @@ impl Stream {
 /// weights): requests that are still running when a test looks at them.
 pub fn slow_model(dir: &Path) -> PathBuf {
     let src = fixture("tiny-mixtral");
-    for f in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
     let mut cfg: serde_json::Value =

@@ -162,7 +162,9 @@ impl CudaBackend {
             return Ok(());
         }
         let op = "CudaBackend::trim_pool";
-        self.context.bind_to_thread().map_err(|e| cuda_error(op, e))?;
+        self.context
+            .bind_to_thread()
+            .map_err(|e| cuda_error(op, e))?;
         // SAFETY: the pool is the device's current memory pool, from the driver for a live
         // context; trimming releases only memory no allocation holds.
         unsafe {
