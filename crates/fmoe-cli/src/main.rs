@@ -31,27 +31,39 @@ enum Command {
     Bench(cmd::bench::Bench),
     /// Generate text with a model directory (Mixtral): prints the text and tokens/s.
     Generate(cmd::generate::Args),
+    /// An OpenAI-compatible HTTP server over the engine (/v1/completions, /v1/chat/completions,
+    /// /metrics, ...), after `vllm serve`.
+    Serve(cmd::serve::Args),
 }
 
 fn main() -> ExitCode {
     catch_stdout_panics();
-    // Warnings (an unwritable kernel cache, an ignored dev knob) show without RUST_LOG; RUST_LOG
-    // (e.g. `info` for the layers' kernel choice) replaces that default.
-    let filter = tracing_subscriber::EnvFilter::builder()
-        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
-        .from_env_lossy();
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return clap_exit(e),
     };
+    // Warnings (an unwritable kernel cache, an ignored dev knob) show without RUST_LOG; RUST_LOG
+    // (e.g. `info` for the layers' kernel choice) replaces that default. The server also logs
+    // its start-up (address, model, KV blocks, MoE kernel) and stop.
+    let mut filter = tracing_subscriber::EnvFilter::builder()
+        .with_default_directive(tracing_subscriber::filter::LevelFilter::WARN.into())
+        .from_env_lossy();
+    if matches!(cli.command, Command::Serve(_))
+        && std::env::var_os("RUST_LOG").is_none()
+        && let Ok(d) = "fmoe_server=info".parse()
+    {
+        filter = filter.add_directive(d);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
     let result = start_up().and_then(|()| match cli.command {
         Command::Kernels(args) => cmd::kernels::run(args),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Generate(args) => cmd::generate::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
     });
     // What print! left in stdout's buffer: a failure here is a failed write too.
     let result = result.and_then(|()| std::io::stdout().flush().map_err(cmd::stdout_error));

@@ -35,6 +35,9 @@ pub enum Bench {
     /// Batches of whole requests through the engine: latency mean and percentiles (after
     /// `vllm bench latency`).
     Latency(super::bench_engine::LatencyArgs),
+    /// Streaming requests against a running server: TTFT, TPOT, ITL and E2E latency,
+    /// throughput (after `vllm bench serve`).
+    Serve(super::bench_serve::ServeArgs),
 }
 
 #[derive(clap::Args)]
@@ -291,6 +294,7 @@ pub fn run(b: Bench) -> Result<()> {
         Bench::Model(args) => return super::bench_model::run(args),
         Bench::Throughput(args) => return super::bench_engine::throughput(args),
         Bench::Latency(args) => return super::bench_engine::latency(args),
+        Bench::Serve(args) => return super::bench_serve::serve(args),
     };
     FusedSwitches::from_env()?; // a bad switch is a start-up error even though the bench picks kernels itself
     let device = super::require_device(args.device)?;

@@ -74,13 +74,22 @@ pub struct Args {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum Quantization {
+pub(crate) enum Quantization {
     Fp8,
     Fp8Block,
 }
 
+impl Quantization {
+    pub(crate) fn scheme(self) -> QuantScheme {
+        match self {
+            Quantization::Fp8 => QuantScheme::Fp8PerTensor,
+            Quantization::Fp8Block => QuantScheme::Fp8Block,
+        }
+    }
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum LoadFormatArg {
+pub(crate) enum LoadFormatArg {
     Auto,
     Dummy,
 }
@@ -147,10 +156,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     sampling.validate()?;
     let device = super::require_device(args.device)?;
-    let scheme = args.quantization.map(|q| match q {
-        Quantization::Fp8 => QuantScheme::Fp8PerTensor,
-        Quantization::Fp8Block => QuantScheme::Fp8Block,
-    });
+    let scheme = args.quantization.map(Quantization::scheme);
     let opts = LoadOptions {
         format: match args.load_format {
             LoadFormatArg::Auto => LoadFormat::Auto,

@@ -2,9 +2,11 @@ pub mod bench;
 mod bench_cuda;
 mod bench_engine;
 mod bench_model;
+mod bench_serve;
 pub mod engine_flags;
 pub mod generate;
 pub mod kernels;
+pub mod serve;
 
 use anyhow::Result;
 use fmoe_core::Device;
