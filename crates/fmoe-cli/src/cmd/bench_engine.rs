@@ -354,11 +354,8 @@ pub fn latency(a: LatencyArgs) -> Result<()> {
                 ))?;
             }
             let hidden = indicatif::ProgressBar::hidden();
-            let (s, _) = drain(
-                &mut e,
-                a.batch_size,
-                if it < a.num_iters_warmup { &hidden } else { &b },
-            )?;
+            let shown = if it < a.num_iters_warmup { &hidden } else { &b };
+            let (s, _) = drain(&mut e, shown)?;
             if it >= a.num_iters_warmup {
                 times.push(s * 1e3);
             }
