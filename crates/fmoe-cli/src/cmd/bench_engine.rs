@@ -14,11 +14,12 @@ use anyhow::{Context, Result, bail};
 use fmoe_core::Device;
 use fmoe_core::env::FusedSwitches;
 use fmoe_engine::{Engine, Request, RequestParams};
-use fmoe_models::{CausalLm, LoadFormat, LoadOptions, MoeOptions, load};
-use fmoe_moe::QuantScheme;
+use fmoe_models::{CausalLm, LoadOptions, MoeOptions, load};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+
+use super::engine_flags::{LoadFormatArg, Quantization};
 
 use super::engine_flags::EngineFlags;
 
@@ -28,18 +29,6 @@ pub enum Kernels {
     Fused,
     /// `FMOE_USE_FUSED=0`: the per-expert portable path.
     Portable,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Quantization {
-    Fp8,
-    Fp8Block,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum LoadFormatArg {
-    Auto,
-    Dummy,
 }
 
 #[derive(clap::Args)]
@@ -148,15 +137,9 @@ fn switches_for(k: Option<Kernels>) -> Result<FusedSwitches> {
 fn engine_for(c: &Common, kernels: Option<Kernels>) -> Result<Engine> {
     let device = super::require_device(c.device)?;
     let opts = LoadOptions {
-        format: match c.load_format {
-            LoadFormatArg::Auto => LoadFormat::Auto,
-            LoadFormatArg::Dummy => LoadFormat::Dummy { seed: c.seed },
-        },
+        format: c.load_format.format(c.seed),
         moe: MoeOptions {
-            scheme: c.quantization.map(|q| match q {
-                Quantization::Fp8 => QuantScheme::Fp8PerTensor,
-                Quantization::Fp8Block => QuantScheme::Fp8Block,
-            }),
+            scheme: c.quantization.map(Quantization::scheme),
             switches: switches_for(kernels)?,
         },
         progress: false,

@@ -29,11 +29,13 @@ use fmoe_core::env::FusedSwitches;
 use fmoe_core::memory::check_budget;
 use fmoe_core::{DType, Device, checked_product, checked_sum};
 use fmoe_engine::{DirectSession, LogitsFor, SeqChunk, argmax};
-use fmoe_models::{CausalLm, LoadFormat, LoadOptions, ModelConfig, MoeOptions, load};
+use fmoe_models::{CausalLm, LoadOptions, ModelConfig, MoeOptions, load};
 use fmoe_moe::QuantScheme;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
+
+use super::engine_flags::{LoadFormatArg, Quantization};
 
 use super::bench_cuda::{Ceilings, measure_ceilings, read_ceilings};
 
@@ -75,18 +77,6 @@ pub struct ModelArgs {
     /// file instead of measuring them.
     #[arg(long)]
     ceilings_json: Option<PathBuf>,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum Quantization {
-    Fp8,
-    Fp8Block,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum LoadFormatArg {
-    Auto,
-    Dummy,
 }
 
 /// One JSON row.
@@ -191,15 +181,9 @@ pub fn run(args: ModelArgs) -> Result<()> {
         }
     };
     let opts = LoadOptions {
-        format: match args.load_format {
-            LoadFormatArg::Auto => LoadFormat::Auto,
-            LoadFormatArg::Dummy => LoadFormat::Dummy { seed: args.seed },
-        },
+        format: args.load_format.format(args.seed),
         moe: MoeOptions {
-            scheme: args.quantization.map(|q| match q {
-                Quantization::Fp8 => QuantScheme::Fp8PerTensor,
-                Quantization::Fp8Block => QuantScheme::Fp8Block,
-            }),
+            scheme: args.quantization.map(Quantization::scheme),
             switches,
         },
         progress: false,

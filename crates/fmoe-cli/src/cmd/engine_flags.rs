@@ -1,7 +1,43 @@
-//! The engine flags `generate`, `bench throughput|latency` (and `serve`) share, named as vLLM
-//! names them.
+//! What the commands that load a model share: the engine flags (named as vLLM names them) and the
+//! `--quantization` / `--load-format` values.
 
 use fmoe_engine::EngineArgs;
+use fmoe_models::LoadFormat;
+use fmoe_moe::QuantScheme;
+
+/// `--quantization`: the MoE method for a bf16 checkpoint's experts.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum Quantization {
+    /// Per-tensor e4m3, quantized at load.
+    Fp8,
+    /// 128×128 blocks.
+    Fp8Block,
+}
+
+impl Quantization {
+    pub fn scheme(self) -> QuantScheme {
+        match self {
+            Quantization::Fp8 => QuantScheme::Fp8PerTensor,
+            Quantization::Fp8Block => QuantScheme::Fp8Block,
+        }
+    }
+}
+
+/// `--load-format`: the directory's checkpoint, or random weights from a seed.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum LoadFormatArg {
+    Auto,
+    Dummy,
+}
+
+impl LoadFormatArg {
+    pub fn format(self, seed: u64) -> LoadFormat {
+        match self {
+            LoadFormatArg::Auto => LoadFormat::Auto,
+            LoadFormatArg::Dummy => LoadFormat::Dummy { seed },
+        }
+    }
+}
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct EngineFlags {

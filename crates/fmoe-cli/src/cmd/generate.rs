@@ -9,8 +9,9 @@ use anyhow::{Context, Result, bail};
 use fmoe_core::Device;
 use fmoe_core::env::FusedSwitches;
 use fmoe_engine::{Engine, GenerateParams, SamplingParams, generate};
-use fmoe_models::{LoadFormat, LoadOptions, MoeOptions, load};
-use fmoe_moe::QuantScheme;
+
+use super::engine_flags::{LoadFormatArg, Quantization};
+use fmoe_models::{LoadOptions, MoeOptions, load};
 use serde::Serialize;
 
 #[derive(clap::Args)]
@@ -71,27 +72,6 @@ pub struct Args {
     json: bool,
     #[command(flatten)]
     engine: super::engine_flags::EngineFlags,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub(crate) enum Quantization {
-    Fp8,
-    Fp8Block,
-}
-
-impl Quantization {
-    pub(crate) fn scheme(self) -> QuantScheme {
-        match self {
-            Quantization::Fp8 => QuantScheme::Fp8PerTensor,
-            Quantization::Fp8Block => QuantScheme::Fp8Block,
-        }
-    }
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-pub(crate) enum LoadFormatArg {
-    Auto,
-    Dummy,
 }
 
 #[derive(Serialize)]
@@ -158,10 +138,7 @@ pub fn run(args: Args) -> Result<()> {
     let device = super::require_device(args.device)?;
     let scheme = args.quantization.map(Quantization::scheme);
     let opts = LoadOptions {
-        format: match args.load_format {
-            LoadFormatArg::Auto => LoadFormat::Auto,
-            LoadFormatArg::Dummy => LoadFormat::Dummy { seed: args.seed },
-        },
+        format: args.load_format.format(args.seed),
         moe: MoeOptions { scheme, switches },
         progress: !args.json,
         num_layers: args.num_layers.map(|n| n as usize),

@@ -8,10 +8,10 @@ use anyhow::{Context, Result, bail};
 use fmoe_core::Device;
 use fmoe_core::env::FusedSwitches;
 use fmoe_engine::Engine;
-use fmoe_models::{LoadFormat, LoadOptions, MoeOptions, Tokenizer, load};
+use fmoe_models::{LoadOptions, MoeOptions, Tokenizer, load};
 use fmoe_server::{Loaded, ServerConfig, TokenizerConfig};
 
-use super::generate::{LoadFormatArg, Quantization};
+use super::engine_flags::{LoadFormatArg, Quantization};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -103,10 +103,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let scheme = args.quantization.map(Quantization::scheme);
     let opts = LoadOptions {
-        format: match args.load_format {
-            LoadFormatArg::Auto => LoadFormat::Auto,
-            LoadFormatArg::Dummy => LoadFormat::Dummy { seed: args.seed },
-        },
+        format: args.load_format.format(args.seed),
         moe: MoeOptions { scheme, switches },
         progress: true,
         num_layers: args.num_layers.map(|n| n as usize),
