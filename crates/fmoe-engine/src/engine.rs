@@ -92,7 +92,9 @@ impl Schedulable for Seq {
         &mut self.blocks
     }
     fn prefix_cacheable(&self) -> bool {
-        self.params.prompt_logprobs.is_none()
+        // Prompt logprobs need every prompt position computed; once sent, a recompute (after a
+        // preemption) may reuse cached blocks like any other sequence.
+        self.params.prompt_logprobs.is_none() || self.prompt_logprobs_sent
     }
     fn preempted(&mut self) {
         self.preemptions += 1;
@@ -251,7 +253,7 @@ impl Engine {
             let sampling = crate::SamplingParams { seed, ..p.sampling };
             let decoder = match &self.tokenizer {
                 Some(_) => Some((
-                    IncrementalDecoder::new(&[]),
+                    IncrementalDecoder::new(&req.prompt),
                     StopMatcher::new(p.stop.clone())?,
                 )),
                 None => None,
@@ -399,22 +401,23 @@ impl Engine {
             if let (Some(n), Some(collected)) = (s.params.prompt_logprobs, &mut s.prompt_logprobs)
                 && rows.len() == sc.num_tokens * vocab
             {
-                for r in 0..sc.num_tokens {
+                let failed = (0..sc.num_tokens).find_map(|r| {
                     let next = start + r + 1;
-                    if next < s.prompt_len && next == collected.len() {
-                        let row = &rows[r * vocab..(r + 1) * vocab];
-                        match logprobs(row, s.tokens[next], n) {
-                            Ok(l) => collected.push(Some(l)),
-                            Err(e) => {
-                                finished.push((
-                                    sc.index,
-                                    None,
-                                    Some(FinishReason::Error(e.to_string())),
-                                ));
-                                break;
-                            }
-                        }
+                    if next >= s.prompt_len || next != collected.len() {
+                        return None;
                     }
+                    match logprobs(&rows[r * vocab..(r + 1) * vocab], s.tokens[next], n) {
+                        Ok(l) => {
+                            collected.push(Some(l));
+                            None
+                        }
+                        Err(e) => Some(e),
+                    }
+                });
+                if let Some(e) = failed {
+                    // The sample ends here: it is neither sampled nor finished a second time.
+                    finished.push((sc.index, None, Some(FinishReason::Error(e.to_string()))));
+                    continue;
                 }
             }
             if s.num_computed < s.tokens.len() {
@@ -473,6 +476,7 @@ impl Engine {
             outputs.push(out);
         }
         done.sort_unstable();
+        done.dedup();
         for index in done.into_iter().rev() {
             let mut s = self.scheduler.running.remove(index);
             self.scheduler.blocks.free(std::mem::take(&mut s.blocks));
@@ -482,19 +486,27 @@ impl Engine {
         Ok(outputs)
     }
 
-    /// Runs the scheduled sequences in one pass; if that fails, each alone, so that only the
-    /// failing ones get the error. Returns each sequence's logits rows.
+    /// Runs the scheduled sequences in one pass; if that fails, each half again (recursively),
+    /// so that only the sequences that fail alone get the error, in about log2(batch) extra
+    /// passes per failing sequence. Returns each sequence's logits rows. (A failed pass leaves
+    /// its new tokens' pool rows undefined, but nothing advanced: the rerun writes them again.)
     fn run_isolating(&mut self, scheduled: &[Scheduled]) -> Vec<Result<Vec<f32>>> {
         // Track the peak before the pass: blocks were allocated by the scheduler.
         let used = self.scheduler.blocks.num_used_blocks();
         self.stats.peak_blocks = self.stats.peak_blocks.max(used);
+        self.run_halving(scheduled)
+    }
+
+    fn run_halving(&mut self, scheduled: &[Scheduled]) -> Vec<Result<Vec<f32>>> {
         match self.run(scheduled) {
             Ok(rows) => rows.into_iter().map(Ok).collect(),
             Err(e) if scheduled.len() == 1 => vec![Err(e)],
-            Err(_) => scheduled
-                .iter()
-                .map(|sc| self.run(std::slice::from_ref(sc)).map(|mut r| r.remove(0)))
-                .collect(),
+            Err(_) => {
+                let (a, b) = scheduled.split_at(scheduled.len() / 2);
+                let mut out = self.run_halving(a);
+                out.extend(self.run_halving(b));
+                out
+            }
         }
     }
 

@@ -167,6 +167,11 @@ pub fn generate(
             }
             if let Some(reason) = out.finish_reason {
                 if let FinishReason::Error(e) = &reason {
+                    // Leave the engine idle: the other prompts' requests go too.
+                    for &id in &ids {
+                        engine.abort(id);
+                    }
+                    engine.step()?;
                     return Err(crate::Error::Request(format!("prompt {i}: {e}")));
                 }
                 o.finish_reason = reason;

@@ -139,9 +139,13 @@ fn run(mut engine: Engine, rx: mpsc::Receiver<Command>) {
             }
         }
     }
+    // Stopping: what is still in flight is aborted, and its clients get the abort outputs.
     let ids: Vec<RequestId> = streams.keys().copied().collect();
     for id in ids {
         engine.abort(id);
+    }
+    if let Ok(outs) = engine.step() {
+        deliver(&mut streams, outs);
     }
 }
 
