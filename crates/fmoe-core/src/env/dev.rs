@@ -345,7 +345,9 @@ fn extra_defines(var: &'static str, v: &str) -> Parsed<Vec<(String, String)>> {
     const EXPECTED: &str = "<family>:<NAME>=<value>[,<NAME>=<value>...][;<family>:...]";
     let mut out = Vec::new();
     for part in v.split(';').filter(|p| !p.is_empty()) {
-        let (fam, defs) = part.split_once(':').ok_or_else(|| invalid(var, v, EXPECTED))?;
+        let (fam, defs) = part
+            .split_once(':')
+            .ok_or_else(|| invalid(var, v, EXPECTED))?;
         if fam.is_empty() {
             return Err(invalid(var, v, EXPECTED));
         }
@@ -407,9 +409,12 @@ impl DevOverrides {
                 });
             }
             FMOE_DEV_SM90_LARGE => {
-                let name = SM90_LARGE_EXPERIMENTS.iter().find(|n| **n == v).ok_or_else(|| {
-                    invalid(var, v, "default, sync, raster, pipe, persist or dyn_gm8")
-                })?;
+                let name = SM90_LARGE_EXPERIMENTS
+                    .iter()
+                    .find(|n| **n == v)
+                    .ok_or_else(|| {
+                        invalid(var, v, "default, sync, raster, pipe, persist or dyn_gm8")
+                    })?;
                 self.sm90_large = Some(name);
             }
             FMOE_DEV_SM90_MID => {
@@ -542,13 +547,19 @@ impl DevOverrides {
                 if self.value_of(var).is_some() {
                     return Err(self.cannot_apply(
                         var,
-                        format!("it tunes the swap-AB kernels, which {FMOE_DEV_SWAPAB}=off turns off"),
+                        format!(
+                            "it tunes the swap-AB kernels, which {FMOE_DEV_SWAPAB}=off turns off"
+                        ),
                     ));
                 }
             }
         }
         if self.fp8_large == Fp8Large::Sync {
-            for var in [FMOE_DEV_FP8_RASTER_GM, FMOE_DEV_FP8_PAIR, FMOE_DEV_FP8_LONE_WG] {
+            for var in [
+                FMOE_DEV_FP8_RASTER_GM,
+                FMOE_DEV_FP8_PAIR,
+                FMOE_DEV_FP8_LONE_WG,
+            ] {
                 if self.value_of(var).is_some() {
                     return Err(self.cannot_apply(
                         var,
@@ -560,16 +571,16 @@ impl DevOverrides {
                 }
             }
         }
-        if self.bf16_pair {
-            if let Some(name) = self.sm90_large.filter(|n| SM90_LARGE_UNPAIRED.contains(n)) {
-                return Err(self.cannot_apply(
-                    FMOE_DEV_BF16_PAIR,
-                    format!(
-                        "2-block clusters need the persistent claimed pipe kernel, which \
-                         {FMOE_DEV_SM90_LARGE}={name} replaces"
-                    ),
-                ));
-            }
+        if self.bf16_pair
+            && let Some(name) = self.sm90_large.filter(|n| SM90_LARGE_UNPAIRED.contains(n))
+        {
+            return Err(self.cannot_apply(
+                FMOE_DEV_BF16_PAIR,
+                format!(
+                    "2-block clusters need the persistent claimed pipe kernel, which \
+                     {FMOE_DEV_SM90_LARGE}={name} replaces"
+                ),
+            ));
         }
         Ok(())
     }
@@ -600,7 +611,9 @@ impl DevOverrides {
 /// entry points call it (and [`DevOverrides::check_device`]) before any selection rule runs.
 pub fn dev_overrides() -> Parsed<&'static DevOverrides> {
     static CELL: OnceLock<Parsed<DevOverrides>> = OnceLock::new();
-    CELL.get_or_init(DevOverrides::from_env).as_ref().map_err(Clone::clone)
+    CELL.get_or_init(DevOverrides::from_env)
+        .as_ref()
+        .map_err(Clone::clone)
 }
 
 #[cfg(test)]

@@ -52,15 +52,23 @@ fn unset_is_the_default_and_every_variable_has_a_parser() {
 
 #[test]
 fn pdl() {
-    knob(FMOE_DEV_PDL, &["0", "false", "FALSE"], &["garbage", "", "on"], |_, d| !d.pdl);
+    knob(
+        FMOE_DEV_PDL,
+        &["0", "false", "FALSE"],
+        &["garbage", "", "on"],
+        |_, d| !d.pdl,
+    );
     assert!(parse(&[(FMOE_DEV_PDL, "1")]).unwrap().pdl);
 }
 
 #[test]
 fn tall_n() {
-    knob(FMOE_DEV_TALL_N, &["176", "192"], &["160", "x", ""], |v, d| {
-        d.tall_n == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_TALL_N,
+        &["176", "192"],
+        &["160", "x", ""],
+        |v, d| d.tall_n == v.parse().ok(),
+    );
 }
 
 #[test]
@@ -75,10 +83,23 @@ fn sm90_large() {
 
 #[test]
 fn sm90_mid() {
-    knob(FMOE_DEV_SM90_MID, &["on", "wide"], &["1", "", "narrow"], |v, d| {
-        d.sm90_mid == if v == "on" { Sm90Mid::On } else { Sm90Mid::Wide }
-    });
-    assert_eq!(parse(&[(FMOE_DEV_SM90_MID, "off")]).unwrap().sm90_mid, Sm90Mid::Off);
+    knob(
+        FMOE_DEV_SM90_MID,
+        &["on", "wide"],
+        &["1", "", "narrow"],
+        |v, d| {
+            d.sm90_mid
+                == if v == "on" {
+                    Sm90Mid::On
+                } else {
+                    Sm90Mid::Wide
+                }
+        },
+    );
+    assert_eq!(
+        parse(&[(FMOE_DEV_SM90_MID, "off")]).unwrap().sm90_mid,
+        Sm90Mid::Off
+    );
 }
 
 #[test]
@@ -110,23 +131,32 @@ fn mixed_routes() {
 
 #[test]
 fn large_routes() {
-    knob(FMOE_DEV_LARGE_ROUTES, &["32", "128"], &["0", "-1", "6.5", ""], |v, d| {
-        d.large_routes == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_LARGE_ROUTES,
+        &["32", "128"],
+        &["0", "-1", "6.5", ""],
+        |v, d| d.large_routes == v.parse().ok(),
+    );
 }
 
 #[test]
 fn swapab_routes() {
-    knob(FMOE_DEV_SWAPAB_ROUTES, &["0", "16", "49"], &["x", "-1", ""], |v, d| {
-        d.swapab_routes == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_SWAPAB_ROUTES,
+        &["0", "16", "49"],
+        &["x", "-1", ""],
+        |v, d| d.swapab_routes == v.parse().ok(),
+    );
 }
 
 #[test]
 fn swapab_wide_routes() {
-    knob(FMOE_DEV_SWAPAB_WIDE_ROUTES, &["0", "57"], &["wide", "1e3", ""], |v, d| {
-        d.swapab_wide_routes == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_SWAPAB_WIDE_ROUTES,
+        &["0", "57"],
+        &["wide", "1e3", ""],
+        |v, d| d.swapab_wide_routes == v.parse().ok(),
+    );
 }
 
 #[test]
@@ -138,29 +168,42 @@ fn splits() {
 
 #[test]
 fn skip_pad_wg() {
-    knob(FMOE_DEV_SKIP_PAD_WG, &["off"], &["0", "ON", ""], |_, d| !d.skip_pad_wg);
+    knob(FMOE_DEV_SKIP_PAD_WG, &["off"], &["0", "ON", ""], |_, d| {
+        !d.skip_pad_wg
+    });
     assert!(parse(&[(FMOE_DEV_SKIP_PAD_WG, "on")]).unwrap().skip_pad_wg);
 }
 
 #[test]
 fn bf16_pair() {
-    knob(FMOE_DEV_BF16_PAIR, &["on"], &["1", "yes", ""], |_, d| d.bf16_pair);
+    knob(FMOE_DEV_BF16_PAIR, &["on"], &["1", "yes", ""], |_, d| {
+        d.bf16_pair
+    });
     assert!(!parse(&[(FMOE_DEV_BF16_PAIR, "off")]).unwrap().bf16_pair);
 }
 
 #[test]
 fn one_block_raster() {
-    knob(FMOE_DEV_ONE_BLOCK_RASTER, &["off"], &["false", ""], |_, d| {
-        !d.one_block_raster
-    });
+    knob(
+        FMOE_DEV_ONE_BLOCK_RASTER,
+        &["off"],
+        &["false", ""],
+        |_, d| !d.one_block_raster,
+    );
 }
 
 #[test]
 fn route_rows() {
-    knob(FMOE_DEV_ROUTE_ROWS, &["on", "off"], &["1", "rule", ""], |v, d| {
-        d.route_rows == Some(v == "on")
-    });
-    assert_eq!(parse(&[(FMOE_DEV_ROUTE_ROWS, "auto")]).unwrap().route_rows, None);
+    knob(
+        FMOE_DEV_ROUTE_ROWS,
+        &["on", "off"],
+        &["1", "rule", ""],
+        |v, d| d.route_rows == Some(v == "on"),
+    );
+    assert_eq!(
+        parse(&[(FMOE_DEV_ROUTE_ROWS, "auto")]).unwrap().route_rows,
+        None
+    );
 }
 
 #[test]
@@ -184,21 +227,32 @@ fn swapab_persist() {
 
 #[test]
 fn swapab() {
-    knob(FMOE_DEV_SWAPAB, &["off", "2", "6"], &["1", "7", "deep", ""], |v, d| {
-        d.swapab
-            == match v {
-                "off" => SwapAb::Off,
-                n => SwapAb::Stages(n.parse().unwrap()),
-            }
-    });
-    assert_eq!(parse(&[(FMOE_DEV_SWAPAB, "on")]).unwrap().swapab, SwapAb::On);
+    knob(
+        FMOE_DEV_SWAPAB,
+        &["off", "2", "6"],
+        &["1", "7", "deep", ""],
+        |v, d| {
+            d.swapab
+                == match v {
+                    "off" => SwapAb::Off,
+                    n => SwapAb::Stages(n.parse().unwrap()),
+                }
+        },
+    );
+    assert_eq!(
+        parse(&[(FMOE_DEV_SWAPAB, "on")]).unwrap().swapab,
+        SwapAb::On
+    );
 }
 
 #[test]
 fn swapab_bn() {
-    knob(FMOE_DEV_SWAPAB_BN, &["16", "32", "64", "128"], &["48", "256", ""], |v, d| {
-        d.swapab_bn == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_SWAPAB_BN,
+        &["16", "32", "64", "128"],
+        &["48", "256", ""],
+        |v, d| d.swapab_bn == v.parse().ok(),
+    );
 }
 
 #[test]
@@ -228,31 +282,44 @@ fn fp8_large() {
 
 #[test]
 fn fp8_raster_gm() {
-    knob(FMOE_DEV_FP8_RASTER_GM, &["1", "8", "64"], &["0", "65", "x", ""], |v, d| {
-        d.fp8_raster_gm == v.parse().ok()
-    });
+    knob(
+        FMOE_DEV_FP8_RASTER_GM,
+        &["1", "8", "64"],
+        &["0", "65", "x", ""],
+        |v, d| d.fp8_raster_gm == v.parse().ok(),
+    );
 }
 
 #[test]
 fn fp8_lone_wg() {
-    knob(FMOE_DEV_FP8_LONE_WG, &["block", "off"], &["none", ""], |v, d| {
-        d.fp8_lone_wg
-            == Fp8Schemes {
-                tensor: false,
-                block: v == "block",
-            }
-    });
+    knob(
+        FMOE_DEV_FP8_LONE_WG,
+        &["block", "off"],
+        &["none", ""],
+        |v, d| {
+            d.fp8_lone_wg
+                == Fp8Schemes {
+                    tensor: false,
+                    block: v == "block",
+                }
+        },
+    );
 }
 
 #[test]
 fn fp8_pair() {
-    knob(FMOE_DEV_FP8_PAIR, &["all", "block", "off"], &["both", ""], |v, d| {
-        d.fp8_pair
-            == Fp8Schemes {
-                tensor: v == "all",
-                block: v != "off",
-            }
-    });
+    knob(
+        FMOE_DEV_FP8_PAIR,
+        &["all", "block", "off"],
+        &["both", ""],
+        |v, d| {
+            d.fp8_pair
+                == Fp8Schemes {
+                    tensor: v == "all",
+                    block: v != "off",
+                }
+        },
+    );
 }
 
 #[test]
@@ -285,9 +352,15 @@ fn experiment_only_knobs_need_the_dev_knobs_feature() {
         };
         assert!(parse_with(&[(var, good)], true).is_ok(), "{var}");
         let err = parse_with(&[(var, good)], false).unwrap_err();
-        assert!(matches!(err, DevOverrideError::NeedsDevKnobs { .. }), "{err:?}");
+        assert!(
+            matches!(err, DevOverrideError::NeedsDevKnobs { .. }),
+            "{err:?}"
+        );
         let msg = err.to_string();
-        assert!(msg.contains(var) && msg.contains("--features dev-knobs"), "{msg}");
+        assert!(
+            msg.contains(var) && msg.contains("--features dev-knobs"),
+            "{msg}"
+        );
     }
     // The other knobs parse in either build.
     for var in ALL.iter().filter(|v| !EXPERIMENT_ONLY.contains(v)) {
@@ -327,7 +400,10 @@ fn swapab_tuning_with_swapab_off_cannot_apply() {
     ] {
         let (got, msg) = cannot_apply(&[(FMOE_DEV_SWAPAB, "off"), (var, v)]);
         assert_eq!(got, var);
-        assert!(msg.contains(&format!("{var}={v:?}")) && msg.contains("FMOE_DEV_SWAPAB=off"), "{msg}");
+        assert!(
+            msg.contains(&format!("{var}={v:?}")) && msg.contains("FMOE_DEV_SWAPAB=off"),
+            "{msg}"
+        );
         assert!(parse(&[(FMOE_DEV_SWAPAB, "3"), (var, v)]).is_ok());
     }
 }
@@ -351,7 +427,10 @@ fn bf16_pairs_with_an_unpaired_large_kernel_cannot_apply() {
     for name in SM90_LARGE_UNPAIRED {
         let (got, msg) = cannot_apply(&[(FMOE_DEV_BF16_PAIR, "on"), (FMOE_DEV_SM90_LARGE, name)]);
         assert_eq!(got, FMOE_DEV_BF16_PAIR);
-        assert!(msg.contains(&format!("FMOE_DEV_SM90_LARGE={name}")), "{msg}");
+        assert!(
+            msg.contains(&format!("FMOE_DEV_SM90_LARGE={name}")),
+            "{msg}"
+        );
     }
     for name in ["default", "dyn_gm8"] {
         assert!(parse(&[(FMOE_DEV_BF16_PAIR, "on"), (FMOE_DEV_SM90_LARGE, name)]).is_ok());
@@ -364,8 +443,20 @@ fn sm90_overrides_on_another_device_cannot_apply() {
     assert!(d.check_device((9, 0)).is_ok());
     let err = d.check_device((8, 0)).unwrap_err();
     let msg = err.to_string();
-    assert!(matches!(err, DevOverrideError::CannotApply { var: FMOE_DEV_TALL_N, .. }), "{msg}");
-    assert!(msg.contains("FMOE_DEV_TALL_N=\"176\"") && msg.contains("this one is 8.0"), "{msg}");
+    assert!(
+        matches!(
+            err,
+            DevOverrideError::CannotApply {
+                var: FMOE_DEV_TALL_N,
+                ..
+            }
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("FMOE_DEV_TALL_N=\"176\"") && msg.contains("this one is 8.0"),
+        "{msg}"
+    );
     // Split-K and PDL are not sm_90-only; nothing set is fine anywhere.
     let d = parse(&[(FMOE_DEV_SPLITS, "4"), (FMOE_DEV_PDL, "0")]).unwrap();
     assert!(d.check_device((8, 9)).is_ok());
