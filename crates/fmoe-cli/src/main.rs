@@ -81,10 +81,11 @@ fn main() -> ExitCode {
 }
 
 /// Checks every start-up switch before any command runs: a bad value stops fmoe whatever the
-/// command and device (the README's promise). `FMOE_DEV_PDL` only changes CUDA launches, but a
-/// typo in it is reported on the CPU too.
+/// command and device (the README's promise). The `FMOE_DEV_*` overrides only change CUDA
+/// launches, but a typo in one (or an experiment-only one in a build without `dev-knobs`, or two
+/// that contradict) is reported on the CPU too.
 fn start_up() -> anyhow::Result<()> {
-    fmoe_kernels::pdl_switch()?;
+    fmoe_core::env::dev_overrides()?;
     Ok(())
 }
 

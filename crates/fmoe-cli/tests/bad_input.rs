@@ -743,6 +743,37 @@ fn fmoe_dev_pdl_garbage_on_cpu() {
     }
 }
 
+/// Every command fails fast on a bad developer override, an experiment-only one in a build
+/// without `dev-knobs`, or two that contradict, whatever the device.
+#[test]
+fn fmoe_dev_overrides_fail_at_start_up() {
+    let args = &["kernels", "--catalog-json"][..];
+    let out = run_with(args, &[("FMOE_DEV_SPLITS", "0")], None);
+    assert_error(
+        args,
+        &out,
+        &["FMOE_DEV_SPLITS", "\"0\"", "positive integer"],
+    );
+    let out = run_with(
+        args,
+        &[("FMOE_DEV_SWAPAB", "off"), ("FMOE_DEV_SWAPAB_BN", "64")],
+        None,
+    );
+    assert_error(
+        args,
+        &out,
+        &["FMOE_DEV_SWAPAB_BN", "cannot apply", "FMOE_DEV_SWAPAB=off"],
+    );
+    if !cfg!(feature = "dev-knobs") {
+        let out = run_with(args, &[("FMOE_DEV_EXTRA_DEFINES", "moe_align:X=1")], None);
+        assert_error(
+            args,
+            &out,
+            &["FMOE_DEV_EXTRA_DEFINES", "--features dev-knobs"],
+        );
+    }
+}
+
 #[test]
 fn usage_errors_are_one_line() {
     bad(&["bench", "moe", "--tokens", "abc"], &["--tokens", "abc"]);

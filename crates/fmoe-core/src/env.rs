@@ -10,8 +10,13 @@
 //!
 //! Accepted values: `0`, `1`, `true`, `false`, in any case. Anything else (the empty string
 //! included) is an [`Error::InvalidEnv`] naming the variable.
+//!
+//! The `FMOE_DEV_*` developer overrides are parsed beside them, in [`DevOverrides`] (`env/dev.rs`).
 
 use crate::{Error, Result};
+
+mod dev;
+pub use dev::*;
 
 pub const FMOE_USE_FUSED: &str = "FMOE_USE_FUSED";
 pub const FMOE_USE_FUSED_MOE: &str = "FMOE_USE_FUSED_MOE";

@@ -68,6 +68,9 @@ pub enum Error {
     )]
     InvalidEnv { var: &'static str, value: String },
 
+    #[error(transparent)]
+    DevOverride(#[from] crate::env::DevOverrideError),
+
     #[error("{op} is not available on {device}: {reason}")]
     Unsupported {
         op: &'static str,

@@ -6,7 +6,7 @@
 use std::cell::Cell;
 use std::ffi::c_void;
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use fmoe_core::cuda::cudarc::driver::sys::{self, CUfunction_attribute};
 use fmoe_core::cuda::cudarc::driver::{
@@ -79,31 +79,16 @@ pub(crate) fn cuda_storage<'a>(
 }
 
 /// Environment switch of Programmatic Dependent Launch for the MoE layer's kernel chain.
-pub const FMOE_DEV_PDL: &str = "FMOE_DEV_PDL";
+pub const FMOE_DEV_PDL: &str = fmoe_core::env::FMOE_DEV_PDL;
 
-/// Whether `FMOE_DEV_PDL` is on when unset: on, it measured 2-3.6 % faster at M = 1-2 for the fp8
-/// methods under graph replay on an H200 and neutral elsewhere (decisions D-037, D-038).
-const PDL_DEFAULT: bool = true;
-
-/// `FMOE_DEV_PDL`, read once per process: the switch (default on), or [`fmoe_core::Error::InvalidEnv`]
-/// naming the variable and its value. [`PdlChain::enter`] reads it on every device, so a bad value
-/// is an error on the CPU too; the CLI calls it at start-up.
+/// `FMOE_DEV_PDL` (parsed once per process with the other developer overrides,
+/// [`fmoe_core::env::DevOverrides`]; default on: it measured 2-3.6 % faster at M = 1-2 for the fp8
+/// methods under graph replay on an H200 and neutral elsewhere, decisions D-037, D-038): the
+/// switch, or the overrides' error naming the variable and its value. [`PdlChain::enter`] reads
+/// it on every device, so a bad value (of any `FMOE_DEV_*`) is an error on the CPU too; the CLI
+/// calls it at start-up.
 pub fn pdl_switch() -> Result<bool> {
-    static SWITCH: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
-    SWITCH
-        .get_or_init(|| {
-            let value = std::env::var_os(FMOE_DEV_PDL).map(|v| v.to_string_lossy().into_owned());
-            fmoe_core::env::parse_switch(FMOE_DEV_PDL, value.as_deref(), PDL_DEFAULT)
-                .map_err(|_| value.unwrap_or_default())
-        })
-        .clone()
-        .map_err(|value| {
-            fmoe_core::Error::InvalidEnv {
-                var: FMOE_DEV_PDL,
-                value,
-            }
-            .into()
-        })
+    Ok(crate::dev::checked(None)?.pdl)
 }
 
 /// Whether Programmatic Dependent Launch may be used on `backend`: `FMOE_DEV_PDL` (default on)

@@ -35,6 +35,7 @@
 pub mod attention;
 pub mod catalog;
 pub mod cublas;
+mod dev;
 pub mod elementwise;
 mod error;
 pub mod kv_cache;

@@ -278,7 +278,7 @@ impl KernelCache {
         }
         let (major, minor) = nvrtc_version().map_err(|e| with_family(e, family))?;
         let mut options = options(backend.compute_capability(), &cuda_home(), spec.defines);
-        options.extend(dev_extra_defines(family));
+        options.extend(dev_extra_defines(family)?);
         let key = cache_key(spec, &options, (major, minor));
         let map_key = (backend.ordinal(), key.clone());
         let found = self.lock().get(&map_key).cloned();
@@ -362,39 +362,20 @@ pub fn cache_dir_from(lookup: impl Fn(&str) -> Option<std::ffi::OsString>) -> Op
         .map(|root| root.join("nvrtc"))
 }
 
-/// Dev-only: `FMOE_DEV_EXTRA_DEFINES=<family>:<NAME>=<value>[,<NAME>=<value>...][;<family>:...]`
+/// Dev-only (a `dev-knobs` build): `FMOE_DEV_EXTRA_DEFINES=<family>:<NAME>=<value>[,<NAME>=<value>...][;<family>:...]`
 /// appends `-D` options to every program of those families, for timing experiments with a
-/// kernel's diagnostic switches (read once per process; not a user setting; outputs may be wrong).
-pub const DEV_EXTRA_DEFINES_ENV: &str = "FMOE_DEV_EXTRA_DEFINES";
+/// kernel's diagnostic switches (parsed once per process by [`fmoe_core::env::DevOverrides`]; not
+/// a user setting; outputs may be wrong).
+pub const DEV_EXTRA_DEFINES_ENV: &str = fmoe_core::env::FMOE_DEV_EXTRA_DEFINES;
 
-fn dev_extra_defines(family: &str) -> Vec<String> {
-    static PARSED: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
-    let all = PARSED.get_or_init(|| {
-        std::env::var(DEV_EXTRA_DEFINES_ENV)
-            .map(|v| parse_extra_defines(&v))
-            .unwrap_or_default()
-    });
-    all.iter()
+/// The [`DEV_EXTRA_DEFINES_ENV`] options of `family`, or the overrides' parse error.
+fn dev_extra_defines(family: &str) -> crate::Result<Vec<String>> {
+    Ok(crate::dev::checked(None)?
+        .extra_defines
+        .iter()
         .filter(|(f, _)| f == family)
         .map(|(_, d)| d.clone())
-        .collect()
-}
-
-/// `(family, "-DNAME=value")` pairs of a [`DEV_EXTRA_DEFINES_ENV`] value; a part without
-/// `family:` is reported and skipped.
-fn parse_extra_defines(v: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for part in v.split(';').filter(|p| !p.is_empty()) {
-        match part.split_once(':') {
-            Some((fam, defs)) => {
-                for d in defs.split(',').filter(|d| !d.is_empty()) {
-                    out.push((fam.to_string(), format!("-D{d}")));
-                }
-            }
-            None => tracing::warn!("{DEV_EXTRA_DEFINES_ENV}: {part:?} has no `family:`; ignored"),
-        }
-    }
-    out
+        .collect())
 }
 
 /// `sm_XY`, with the `a` (architecture-specific features) suffix from compute capability 9 on.
@@ -728,23 +709,6 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
     use std::ffi::OsString;
-
-    #[test]
-    fn extra_defines_parse_per_family() {
-        let got = parse_extra_defines("moe_align:A=1,B=2;;moe_finalize:C=3;nofamily");
-        let want = [
-            ("moe_align", "-DA=1"),
-            ("moe_align", "-DB=2"),
-            ("moe_finalize", "-DC=3"),
-        ];
-        assert_eq!(
-            got,
-            want.iter()
-                .map(|(f, d)| (f.to_string(), d.to_string()))
-                .collect::<Vec<_>>()
-        );
-        assert!(parse_extra_defines("").is_empty());
-    }
 
     fn spec<'a>(defines: &'a [(&'a str, String)]) -> KernelSpec<'a> {
         KernelSpec {

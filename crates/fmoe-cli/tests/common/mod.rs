@@ -22,10 +22,12 @@ pub fn run_with(args: &[&str], env: &[(&str, &str)], stdout: Option<Stdio>) -> O
         "FMOE_USE_FUSED",
         "FMOE_USE_FUSED_MOE",
         "FMOE_USE_FUSED_FP8_BLOCK_SCALED_MOE",
-        "FMOE_DEV_PDL",
         "RUST_LOG",
         "RUST_BACKTRACE",
-    ] {
+    ]
+    .into_iter()
+    .chain(fmoe_core::env::ALL)
+    {
         cmd.env_remove(var);
     }
     // Few malloc arenas: their reserved address space must not count against the cap.

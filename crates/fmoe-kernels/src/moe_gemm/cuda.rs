@@ -34,13 +34,14 @@ use std::sync::Arc;
 
 use fmoe_core::cuda::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
 use fmoe_core::cuda::{CudaBackend, CudaStorage, cuda_error};
-use fmoe_core::tracing;
+use fmoe_core::env::Sm90Mid;
 use fmoe_core::{DType, Device, Error as CoreError, Storage, Tensor};
 
 use super::cuda_fp8::{swapab_route_block, swapab_stages, swapab_stages_for};
 use super::tma::{TmaElem, weight_tensor_map};
 use super::{ActOperand, ActQuant, WeightOperand, cuda_fp8};
 use crate::catalog::KernelVariant;
+use crate::dev::dev;
 use crate::launch::{MAX_GRID_STRIDE_BLOCKS, cuda_storage, opt_in_smem, u32_arg};
 use crate::moe_align::{AlignedRoutes, RouteTiling, align_routes};
 use crate::nvrtc;
@@ -189,8 +190,6 @@ pub const SM90_TALL_NARROW: GemmConfig = GemmConfig {
 
 /// Dev-only: `FMOE_DEV_TALL_N=<192|176>` runs every uniform [`SM90_TALL`] launch with that many
 /// weight rows per tile instead of [`wave_fit`]'s choice (read once per process; not a user setting).
-pub const DEV_TALL_N_ENV: &str = "FMOE_DEV_TALL_N";
-
 /// The tile a uniform 192-row launch runs: [`SM90_TALL`] or [`SM90_TALL_NARROW`], whichever
 /// finishes its tiles in fewer tile-widths of time over `sms` SMs (equal tiles, one per SM at a
 /// time, so the time is the rounds of tiles times the tile's width; GEMM2's split divides the
@@ -206,8 +205,7 @@ fn wave_fit(
     splits_of: impl Fn(&GemmConfig, usize) -> usize,
     sms: usize,
 ) -> GemmConfig {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    match dev_knob(&FORCED, DEV_TALL_N_ENV) {
+    match dev().tall_n {
         Some(176) => return SM90_TALL_NARROW,
         Some(192) => return SM90_TALL,
         _ => {}
@@ -244,9 +242,7 @@ pub const SM90_SYNC: GemmConfig = GemmConfig {
 /// Dev-only: `FMOE_DEV_SM90_LARGE=<name>` swaps the kernel that runs routes aligned for
 /// [`SM90_LARGE`] for one of these experiments (read once per process; not a user setting), so
 /// one binary can test and time them all.
-pub const DEV_SM90_LARGE_ENV: &str = "FMOE_DEV_SM90_LARGE";
-
-/// The experiments of [`DEV_SM90_LARGE_ENV`], by name ("default" is [`SM90_LARGE`], the
+/// The experiments of `FMOE_DEV_SM90_LARGE`, by name ("default" is [`SM90_LARGE`], the
 /// persistent pipe kernel with the dynamic schedule, measured as "dyn").
 pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 6] = [
     ("default", SM90_LARGE),
@@ -291,25 +287,16 @@ pub const SM90_LARGE_EXPERIMENTS: [(&str, GemmConfig); 6] = [
     ),
 ];
 
-/// [`SM90_LARGE`], or the experiment [`DEV_SM90_LARGE_ENV`] names (an unknown name is reported
-/// once on stderr and ignored).
+/// [`SM90_LARGE`], or the experiment `FMOE_DEV_SM90_LARGE` names (validated at parse time
+/// against the same names, [`fmoe_core::env::SM90_LARGE_EXPERIMENTS`]).
 fn sm90_large() -> GemmConfig {
-    static CHOICE: std::sync::OnceLock<GemmConfig> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        let Ok(name) = std::env::var(DEV_SM90_LARGE_ENV) else {
-            return SM90_LARGE;
-        };
-        match SM90_LARGE_EXPERIMENTS.iter().find(|(n, _)| *n == name) {
-            Some((_, cfg)) => *cfg,
-            None => {
-                let names: Vec<&str> = SM90_LARGE_EXPERIMENTS.iter().map(|(n, _)| *n).collect();
-                tracing::warn!(
-                    "{DEV_SM90_LARGE_ENV}={name:?} is not one of {names:?}; using the default"
-                );
-                SM90_LARGE
-            }
-        }
-    })
+    let Some(name) = dev().sm90_large else {
+        return SM90_LARGE;
+    };
+    SM90_LARGE_EXPERIMENTS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(SM90_LARGE, |(_, cfg)| *cfg)
 }
 
 /// The pipe kernel with 64-row M tiles, for batches just past [`LARGE_TILE_ROUTES_PER_EXPERT`]:
@@ -332,7 +319,7 @@ pub const SM90_MID: GemmConfig = GemmConfig {
     skip_pad_wg: false,
 };
 
-/// [`SM90_MID`], with the schedule of the [`DEV_SM90_LARGE_ENV`] experiment when that is a pipe
+/// [`SM90_MID`], with the schedule of the `FMOE_DEV_SM90_LARGE` experiment when that is a pipe
 /// kernel too (so one experiment name compares both tile heights).
 fn sm90_mid() -> GemmConfig {
     match sm90_large().kind {
@@ -347,19 +334,12 @@ pub const MID_TILE_MAX_ROUTES_PER_EXPERT: usize = 256;
 
 /// Dev-only: `FMOE_DEV_SM90_MID=<off|on|wide>` sets the upper end of [`SM90_MID`]'s range (never,
 /// the default; [`MID_TILE_MAX_ROUTES_PER_EXPERT`]; 512 routes per expert), read once per process.
-pub const DEV_SM90_MID_ENV: &str = "FMOE_DEV_SM90_MID";
-
 fn mid_max_routes_per_expert() -> usize {
-    static CHOICE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(DEV_SM90_MID_ENV).as_deref() {
-        Err(_) | Ok("off") => 0,
-        Ok("on") => MID_TILE_MAX_ROUTES_PER_EXPERT,
-        Ok("wide") => 512,
-        Ok(other) => {
-            tracing::warn!("{DEV_SM90_MID_ENV}={other:?} is not one of off, on, wide; using off");
-            0
-        }
-    })
+    match dev().sm90_mid {
+        Sm90Mid::Off => 0,
+        Sm90Mid::On => MID_TILE_MAX_ROUTES_PER_EXPERT,
+        Sm90Mid::Wide => 512,
+    }
 }
 
 /// Average routes per expert from which [`SM90_LARGE`] wins (H200, decision D-009):
@@ -382,12 +362,12 @@ pub const TALL_TILE_ROUTES_PER_EXPERT: std::ops::Range<usize> = 128..176;
 
 /// Dev-only: `FMOE_DEV_TALL_ROUTES=<lo>-<hi>` runs [`SM90_TALL`] from `lo` to below `hi` routes per
 /// expert on average instead of [`TALL_TILE_ROUTES_PER_EXPERT`] (`0`: never); read once per process.
-pub const DEV_TALL_ROUTES_ENV: &str = "FMOE_DEV_TALL_ROUTES";
-
-/// [`TALL_TILE_ROUTES_PER_EXPERT`], or the [`DEV_TALL_ROUTES_ENV`] override.
+/// [`TALL_TILE_ROUTES_PER_EXPERT`], or the `FMOE_DEV_TALL_ROUTES` override.
 fn tall_tile_routes_per_expert() -> std::ops::Range<usize> {
-    static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
-    dev_range(&CELL, DEV_TALL_ROUTES_ENV, TALL_TILE_ROUTES_PER_EXPERT)
+    dev()
+        .tall_routes
+        .clone()
+        .unwrap_or(TALL_TILE_ROUTES_PER_EXPERT)
 }
 
 /// Average routes per expert from which bf16 routes are aligned with mixed tile heights: each
@@ -409,16 +389,11 @@ pub const MIXED_TILE_MANY_EXPERTS_ROUTES_PER_EXPERT: usize = 128;
 
 /// Dev-only: `FMOE_DEV_MIXED_ROUTES=<lo>-<hi>` aligns with mixed tiles from `lo` to below `hi`
 /// routes per expert on average, whatever the experts, instead of the rule above (`0`: never).
-pub const DEV_MIXED_ROUTES_ENV: &str = "FMOE_DEV_MIXED_ROUTES";
-
 /// Whether `num_routes` routes over `experts` experts take mixed tiles: the rule above, or the
-/// [`DEV_MIXED_ROUTES_ENV`] override.
+/// `FMOE_DEV_MIXED_ROUTES` override.
 fn mixed_tiles_pay(num_routes: usize, experts: usize) -> bool {
-    const RULE: std::ops::Range<usize> = usize::MAX..usize::MAX;
-    static CELL: std::sync::OnceLock<std::ops::Range<usize>> = std::sync::OnceLock::new();
     let per_expert = num_routes / experts.max(1);
-    let knob = dev_range(&CELL, DEV_MIXED_ROUTES_ENV, RULE);
-    if knob != RULE {
+    if let Some(knob) = &dev().mixed_routes {
         return knob.contains(&per_expert);
     }
     let from = if experts >= MIXED_TILE_MANY_EXPERTS {
@@ -429,71 +404,30 @@ fn mixed_tiles_pay(num_routes: usize, experts: usize) -> bool {
     per_expert >= from
 }
 
-/// A dev-only range knob `<lo>-<hi>` (or `0`: empty), read once per process into `cell`.
-fn dev_range(
-    cell: &'static std::sync::OnceLock<std::ops::Range<usize>>,
-    name: &str,
-    default: std::ops::Range<usize>,
-) -> std::ops::Range<usize> {
-    cell.get_or_init(|| {
-        let Ok(v) = std::env::var(name) else {
-            return default.clone();
-        };
-        let parsed = match v.split_once('-') {
-            Some((lo, hi)) => lo.parse().ok().zip(hi.parse().ok()).map(|(lo, hi)| lo..hi),
-            None => v.parse::<usize>().ok().filter(|&n| n == 0).map(|_| 0..0),
-        };
-        parsed.unwrap_or_else(|| {
-            tracing::warn!("{name}={v:?} is not <lo>-<hi> or 0; using the default");
-            default.clone()
-        })
-    })
-    .clone()
-}
-
 /// Dev-only knobs for sweeps on the device (read once per process; not user settings):
 /// `FMOE_DEV_LARGE_ROUTES=<n>` replaces [`LARGE_TILE_ROUTES_PER_EXPERT`] in both select rules;
 /// `FMOE_DEV_SWAPAB_ROUTES=<n>` sets the upper end of the swap-AB range in both select rules;
 /// `FMOE_DEV_SWAPAB_WIDE_ROUTES=<n>` the upper end of the 64-route range, every scheme (at or
 /// below the swap-AB range's end: none);
 /// `FMOE_DEV_SPLITS=<n>` forces GEMM2's split-K factor (swap-AB's too).
-pub const DEV_LARGE_ROUTES_ENV: &str = "FMOE_DEV_LARGE_ROUTES";
-pub const DEV_SWAPAB_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_ROUTES";
-pub const DEV_SWAPAB_WIDE_ROUTES_ENV: &str = "FMOE_DEV_SWAPAB_WIDE_ROUTES";
-pub const DEV_SPLITS_ENV: &str = "FMOE_DEV_SPLITS";
+pub const DEV_SWAPAB_WIDE_ROUTES_ENV: &str = fmoe_core::env::FMOE_DEV_SWAPAB_WIDE_ROUTES;
 
-fn dev_knob(cell: &'static std::sync::OnceLock<Option<usize>>, name: &str) -> Option<usize> {
-    *cell.get_or_init(|| {
-        let v = std::env::var(name).ok()?;
-        let n = v.parse::<usize>().ok();
-        if n.is_none() {
-            tracing::warn!("{name}={v:?} is not an integer; ignored");
-        }
-        n
-    })
-}
-
-/// [`LARGE_TILE_ROUTES_PER_EXPERT`], or the [`DEV_LARGE_ROUTES_ENV`] override.
+/// [`LARGE_TILE_ROUTES_PER_EXPERT`], or the `FMOE_DEV_LARGE_ROUTES` override.
 pub(super) fn large_tile_routes_per_expert() -> usize {
-    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    dev_knob(&CELL, DEV_LARGE_ROUTES_ENV)
-        .filter(|&n| n > 0)
-        .unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
+    dev().large_routes.unwrap_or(LARGE_TILE_ROUTES_PER_EXPERT)
 }
 
-/// The [`DEV_SWAPAB_ROUTES_ENV`] override of the swap-AB range's upper end
+/// The `FMOE_DEV_SWAPAB_ROUTES` override of the swap-AB range's upper end
 /// ([`SWAPAB_MID_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_MID_ROUTES_PER_EXPERT)).
 pub(super) fn swapab_routes_per_expert() -> Option<usize> {
-    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    dev_knob(&CELL, DEV_SWAPAB_ROUTES_ENV)
+    dev().swapab_routes
 }
 
 /// The [`DEV_SWAPAB_WIDE_ROUTES_ENV`] override of the 64-route range's upper end
 /// ([`SWAPAB_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_WIDE_ROUTES_PER_EXPERT),
 /// [`SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT`](super::cuda_fp8::SWAPAB_BLOCK_WIDE_ROUTES_PER_EXPERT)).
 pub(super) fn swapab_wide_routes_per_expert() -> Option<usize> {
-    static CELL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    dev_knob(&CELL, DEV_SWAPAB_WIDE_ROUTES_ENV)
+    dev().swapab_wide_routes
 }
 
 impl GemmConfig {
@@ -1024,8 +958,7 @@ pub(super) fn split_k(
     max_splits: usize,
     sms: usize,
 ) -> usize {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    if let Some(s) = dev_knob(&FORCED, DEV_SPLITS_ENV).filter(|&s| s > 0) {
+    if let Some(s) = dev().splits {
         return s;
     }
     let blocks = (slots / bm).min(num_routes.div_ceil(bm) + experts.min(num_routes));
@@ -1055,8 +988,7 @@ pub(super) fn swap_ab_splits(
     ktiles: usize,
     sms: usize,
 ) -> usize {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    if let Some(s) = dev_knob(&FORCED, DEV_SPLITS_ENV).filter(|&s| s > 0) {
+    if let Some(s) = dev().splits {
         return s;
     }
     let ktiles = ktiles.max(1);
@@ -1175,42 +1107,17 @@ fn launch_cfg(g: &Gemm<'_>, sms: usize) -> GemmConfig {
 
 /// Dev-only: `FMOE_DEV_SKIP_PAD_WG=off` multiplies the padding warpgroups of uniform 192-row
 /// tiles too (read once per process).
-pub const DEV_SKIP_PAD_WG_ENV: &str = "FMOE_DEV_SKIP_PAD_WG";
-
 /// Whether uniform 192-row launches let a warpgroup of all-padding rows skip the tile
 /// ([`GemmConfig::skip_pad_wg`]): over few experts of 128-175 routes (Mixtral at M = 512-703)
 /// about half the experts leave the third warpgroup of their one block empty.
 fn skip_pad_wg() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    dev_on(&ON, DEV_SKIP_PAD_WG_ENV)
-}
-
-/// A dev-only switch that is on unless `name` says `off` (read once per process into `cell`).
-fn dev_on(cell: &'static std::sync::OnceLock<bool>, name: &str) -> bool {
-    *cell.get_or_init(|| match std::env::var(name).as_deref() {
-        Err(_) | Ok("on") => true,
-        Ok("off") => false,
-        Ok(v) => {
-            tracing::warn!("{name}={v:?} is not on or off; using on");
-            true
-        }
-    })
+    dev().skip_pad_wg
 }
 
 /// Dev-only: `FMOE_DEV_BF16_PAIR=<on|off>` (default off) runs the persistent 128-row bf16 pipe
 /// GEMMs in 2-block clusters ([`GemmConfig::pairs`]; read once per process; not a user setting).
-pub const DEV_BF16_PAIR_ENV: &str = "FMOE_DEV_BF16_PAIR";
-
 fn dev_bf16_pair() -> bool {
-    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(DEV_BF16_PAIR_ENV).as_deref() {
-        Err(_) | Ok("off") => false,
-        Ok("on") => true,
-        Ok(v) => {
-            tracing::warn!("{DEV_BF16_PAIR_ENV}={v:?} is not on or off; using off");
-            false
-        }
-    })
+    dev().bf16_pair
 }
 
 /// Experts from which [`one_block_raster`] applies.
@@ -1218,8 +1125,6 @@ pub const ONE_BLOCK_RASTER_MIN_EXPERTS: usize = 64;
 
 /// Dev-only: `FMOE_DEV_ONE_BLOCK_RASTER=off` keeps the grouped order of 16 M blocks where
 /// [`one_block_raster`] would walk N tiles fastest (bf16 and fp8; read once per process).
-pub const DEV_ONE_BLOCK_RASTER_ENV: &str = "FMOE_DEV_ONE_BLOCK_RASTER";
-
 /// Whether a persistent prefill GEMM over `num_routes` routes and `experts` experts walks its tiles
 /// N fastest, one M block at a time (`-D RASTER_GM=1`) instead of in groups of 16 M blocks: over
 /// many experts (at least [`ONE_BLOCK_RASTER_MIN_EXPERTS`]) whose routes fit one `bm`-row block on
@@ -1231,10 +1136,7 @@ pub const DEV_ONE_BLOCK_RASTER_ENV: &str = "FMOE_DEV_ONE_BLOCK_RASTER";
 /// tie at 8192 (two or more blocks per expert, where the groups do share weight tiles, so the rule
 /// leaves them).
 pub(super) fn one_block_raster(num_routes: usize, experts: usize, bm: usize) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    dev_on(&ON, DEV_ONE_BLOCK_RASTER_ENV)
-        && experts >= ONE_BLOCK_RASTER_MIN_EXPERTS
-        && num_routes <= bm * experts
+    dev().one_block_raster && experts >= ONE_BLOCK_RASTER_MIN_EXPERTS && num_routes <= bm * experts
 }
 
 /// The launch's (M blocks, N tiles, K splits) on `sms` SMs: swap-AB launches only the route
@@ -1600,20 +1502,11 @@ pub enum Gemm2Sum {
 /// Dev-only: `FMOE_DEV_ROUTE_ROWS=<off|on>` makes [`Gemm2Sum::Auto`] mean [`Gemm2Sum::Atomic`] or
 /// [`Gemm2Sum::RouteRows`] (read once per process; not a user setting; unset or "auto" = the rule),
 /// so one binary can time and test both.
-pub const DEV_ROUTE_ROWS_ENV: &str = "FMOE_DEV_ROUTE_ROWS";
+pub const DEV_ROUTE_ROWS_ENV: &str = fmoe_core::env::FMOE_DEV_ROUTE_ROWS;
 
 /// The knob: `None` = the rule.
 fn dev_route_rows() -> Option<bool> {
-    static DEV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    *DEV.get_or_init(|| match std::env::var(DEV_ROUTE_ROWS_ENV).as_deref() {
-        Err(_) | Ok("auto") => None,
-        Ok("on") => Some(true),
-        Ok("off") => Some(false),
-        Ok(v) => {
-            tracing::warn!("{DEV_ROUTE_ROWS_ENV}={v:?} is not one of auto, on, off; using auto");
-            None
-        }
-    })
+    dev().route_rows
 }
 
 /// The define of a route-rows GEMM2 (`common/moe_epilogue.cuh` `gemm2_row`).
@@ -1851,6 +1744,14 @@ pub(super) fn portable(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The experiment names `FMOE_DEV_SM90_LARGE` is validated against are this table's.
+    #[test]
+    fn sm90_large_experiments_match_the_parsed_names() {
+        let names: Vec<&str> = SM90_LARGE_EXPERIMENTS.iter().map(|(n, _)| *n).collect();
+        assert_eq!(names, fmoe_core::env::SM90_LARGE_EXPERIMENTS);
+        assert_eq!(SM90_LARGE_EXPERIMENTS[0].1, SM90_LARGE);
+    }
 
     #[test]
     fn geometry_follows_the_sources_formulas() {

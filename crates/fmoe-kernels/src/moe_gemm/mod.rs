@@ -100,7 +100,9 @@ use crate::{Error, Result};
 
 /// The `block_m` the fused GEMMs of `device` need from [`crate::moe_align::align_routes`] for a
 /// batch of `num_routes` routes over `experts` experts: on CUDA the M tile of the kernel variant
-/// [`GemmConfig::select`] picks; on the CPU any value works and `cpu_block_m` is used.
+/// [`GemmConfig::select`] picks; on the CPU any value works and `cpu_block_m` is used. Errors: a
+/// bad `FMOE_DEV_*` value, or one that cannot apply on the device
+/// ([`fmoe_core::env::DevOverrides::check_device`]).
 pub fn block_m(
     device: Device,
     cpu_block_m: usize,
@@ -111,6 +113,7 @@ pub fn block_m(
         Device::Cpu => Ok(cpu_block_m),
         Device::Cuda(i) => {
             let cc = fmoe_core::cuda::cuda_backend(i)?.compute_capability();
+            crate::dev::checked(Some(cc))?;
             Ok(GemmConfig::select(cc, num_routes, experts).bm)
         }
     }
@@ -134,7 +137,11 @@ pub fn block_m_for(
     };
     match device {
         Device::Cpu => Ok(cpu_block_m),
-        Device::Cuda(_) => Ok(Fp8GemmConfig::select(scheme, num_routes, experts).bm),
+        Device::Cuda(i) => {
+            let cc = fmoe_core::cuda::cuda_backend(i)?.compute_capability();
+            crate::dev::checked(Some(cc))?;
+            Ok(Fp8GemmConfig::select(scheme, num_routes, experts).bm)
+        }
     }
 }
 
@@ -151,6 +158,7 @@ pub fn tiling_for(
     match (device, w13) {
         (Device::Cuda(i), WeightOperand::Plain(_)) => {
             let cc = fmoe_core::cuda::cuda_backend(i)?.compute_capability();
+            crate::dev::checked(Some(cc))?;
             Ok(GemmConfig::tiling(cc, num_routes, experts))
         }
         _ => Ok(RouteTiling::Uniform(block_m_for(

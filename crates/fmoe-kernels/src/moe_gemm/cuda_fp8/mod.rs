@@ -101,7 +101,10 @@ use super::cuda::{
     large_tile_routes_per_expert, swapab_routes_per_expert, swapab_wide_routes_per_expert,
 };
 use crate::catalog::KernelVariant;
-use fmoe_core::tracing;
+use crate::dev::dev;
+/// What [`DEV_FP8_LARGE_ENV`] asks for.
+use fmoe_core::env::Fp8Large as DevLarge;
+use fmoe_core::env::{Fp8Schemes, SwapAb};
 
 pub(super) use fused::{gemm1_h, gemm1_quant, gemm2};
 pub(super) use support::{check_support, is_fp8_act, is_fp8_weight};
@@ -384,38 +387,10 @@ pub fn swapab_dynamic(bn: usize, mode: u32) -> bool {
 }
 
 /// [`DEV_SWAPAB_PERSIST_ENV`]'s choice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(in crate::moe_gemm) enum PersistMode {
-    Off,
-    /// GEMM1 persistent (N tiles fastest), GEMM2 a block per tile: the default.
-    Gemm1,
-    /// Both GEMMs persistent, N tiles fastest.
-    NFastest,
-    /// Both GEMMs persistent, route blocks fastest (the per-tile grid's order).
-    RouteBlocksFastest,
-    /// Both GEMMs persistent, tiles claimed from a global counter (the default).
-    Dynamic,
-    /// GEMM1 persistent with tiles claimed from a global counter, GEMM2 a block per tile.
-    DynamicGemm1,
-}
+pub(in crate::moe_gemm) use fmoe_core::env::SwapAbPersist as PersistMode;
 
 pub(in crate::moe_gemm) fn swapab_persist_mode() -> PersistMode {
-    static MODE: std::sync::OnceLock<PersistMode> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var(DEV_SWAPAB_PERSIST_ENV).as_deref() {
-        Ok("gemm1") => PersistMode::Gemm1,
-        Ok("off") => PersistMode::Off,
-        Ok("on") => PersistMode::NFastest,
-        Ok("rb") => PersistMode::RouteBlocksFastest,
-        Err(_) | Ok("dyn") => PersistMode::Dynamic,
-        Ok("dyn1") => PersistMode::DynamicGemm1,
-        Ok(v) => {
-            tracing::warn!(
-                "{DEV_SWAPAB_PERSIST_ENV}={v:?} is not one of gemm1, on, off, rb, dyn, \
-                 dyn1; using the default (dyn)"
-            );
-            PersistMode::Dynamic
-        }
-    })
+    dev().swapab_persist
 }
 
 /// The persistent swap-AB defines of `mode` for route block `bn` (none below 64).
@@ -442,7 +417,7 @@ pub(in crate::moe_gemm) fn swapab_persist_defines(
 /// stride (the previous default), both strided, neither (a block per tile), both strided with
 /// route blocks fastest ([`swapab_persistent`], [`swapab_dynamic`];
 /// read once per process; not a user setting).
-pub const DEV_SWAPAB_PERSIST_ENV: &str = "FMOE_DEV_SWAPAB_PERSIST";
+pub const DEV_SWAPAB_PERSIST_ENV: &str = fmoe_core::env::FMOE_DEV_SWAPAB_PERSIST;
 
 /// The swap-AB ring depth for route block `bn`: 3 x 32 KiB of weights at 16 and 32 routes (two
 /// blocks per SM), as deep as shared memory allows with one block per SM at 64 (5) and 128 (4).
@@ -458,32 +433,22 @@ pub const fn swapab_stages(bn: usize) -> usize {
 /// ones replaced, fp8 and bf16; a number sets the swap-AB ring depth of every route block (not a
 /// catalog variant: compiled when used). Read once per process; not a user setting; "on" or unset
 /// = the default.
-pub const DEV_SWAPAB_ENV: &str = "FMOE_DEV_SWAPAB";
+pub const DEV_SWAPAB_ENV: &str = fmoe_core::env::FMOE_DEV_SWAPAB;
 
 /// Dev-only: `FMOE_DEV_SWAPAB_BN=<16|32|64|128>` runs every swap-AB batch with that route block
 /// (read once per process; not a user setting; an unknown value is reported and
 /// ignored).
-pub const DEV_SWAPAB_BN_ENV: &str = "FMOE_DEV_SWAPAB_BN";
+pub const DEV_SWAPAB_BN_ENV: &str = fmoe_core::env::FMOE_DEV_SWAPAB_BN;
 
 /// [`DEV_SWAPAB_ENV`]: `None` = off, `Some(0)` = each route block's own depth
 /// ([`swapab_stages`]), `Some(stages)` a forced depth (an unknown value is reported once on
 /// stderr and ignored).
 pub(in crate::moe_gemm) fn dev_swapab() -> Option<usize> {
-    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(DEV_SWAPAB_ENV).as_deref() {
-        Err(_) | Ok("on") => Some(0),
-        Ok("off") => None,
-        Ok(v) => match v.parse::<usize>() {
-            Ok(n) if (2..=6).contains(&n) => Some(n),
-            _ => {
-                tracing::warn!(
-                    "{DEV_SWAPAB_ENV}={v:?} is not \"on\", \"off\" or a ring depth 2..=6; \
-                     using the default"
-                );
-                Some(0)
-            }
-        },
-    })
+    match dev().swapab {
+        SwapAb::On => Some(0),
+        SwapAb::Off => None,
+        SwapAb::Stages(n) => Some(n),
+    }
 }
 
 /// The swap-AB ring depth for route block `bn`: [`DEV_SWAPAB_ENV`]'s if it sets one.
@@ -495,20 +460,7 @@ pub(in crate::moe_gemm) fn swapab_stages_for(bn: usize) -> usize {
 }
 
 fn dev_swapab_bn() -> Option<usize> {
-    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        let v = std::env::var(DEV_SWAPAB_BN_ENV).ok()?;
-        let bn = v
-            .parse::<usize>()
-            .ok()
-            .filter(|b| SWAPAB_ROUTE_BLOCKS.contains(b));
-        if bn.is_none() {
-            tracing::warn!(
-                "{DEV_SWAPAB_BN_ENV}={v:?} is not one of {SWAPAB_ROUTE_BLOCKS:?}; ignored"
-            );
-        }
-        bn
-    })
+    dev().swapab_bn
 }
 
 /// Dev-only: `FMOE_DEV_FP8_LARGE=sync` runs prefill-sized batches on the kernels the
@@ -521,24 +473,14 @@ fn dev_swapab_bn() -> Option<usize> {
 /// (the previous default), `promote-gemm2-ordered` the same with the ordered halves in GEMM2 (the
 /// schedules outside the catalog are compiled when used), so one binary can time and test them all
 /// (read once per process; not a user setting; "default" or unset = the kernels as selected).
-pub const DEV_FP8_LARGE_ENV: &str = "FMOE_DEV_FP8_LARGE";
+pub const DEV_FP8_LARGE_ENV: &str = fmoe_core::env::FMOE_DEV_FP8_LARGE;
 
 /// Dev-only: `FMOE_DEV_FP8_RASTER_GM=<n>` (1..=64) gives the warp-specialized fp8 kernels
 /// groups of n M blocks in their tile order instead of [`FP8_TENSOR_LARGE`]'s and
 /// [`FP8_BLOCK_LARGE`]'s 16 (compiled when used; read once per process; not a user setting).
-pub const DEV_FP8_RASTER_GM_ENV: &str = "FMOE_DEV_FP8_RASTER_GM";
-
-/// [`DEV_FP8_RASTER_GM_ENV`] (an unusable value is reported once on stderr and ignored).
+/// `FMOE_DEV_FP8_RASTER_GM`.
 fn dev_raster_gm() -> Option<usize> {
-    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        let v = std::env::var(DEV_FP8_RASTER_GM_ENV).ok()?;
-        let gm = v.parse::<usize>().ok().filter(|g| (1..=64).contains(g));
-        if gm.is_none() {
-            tracing::warn!("{DEV_FP8_RASTER_GM_ENV}={v:?} is not a number in 1..=64; ignored");
-        }
-        gm
-    })
+    dev().fp8_raster_gm
 }
 
 /// Whether the warp-specialized kernel of `scheme` lets its second MMA warpgroup skip a tile whose
@@ -548,91 +490,41 @@ fn dev_raster_gm() -> Option<usize> {
 /// 1.02-1.05×; per-tensor 1.00-1.04×, decision D-059). Dev-only
 /// `FMOE_DEV_FP8_LONE_WG=<all|tensor|block|off>` ([`DEV_FP8_LONE_WG_ENV`]) picks the schemes.
 fn lone_warpgroup(scheme: Fp8Scheme) -> bool {
-    static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    dev_schemes(&CHOICE, DEV_FP8_LONE_WG_ENV, "all", scheme)
+    covers(dev().fp8_lone_wg, scheme)
 }
 
-/// A dev knob naming the fp8 schemes a kernel feature applies to: `all`, `tensor`, `block` or
-/// `off` (unset: `default`; another value is reported once and `default` used), read once per
-/// process into `cell`. Whether it covers `scheme`.
-fn dev_schemes(
-    cell: &'static std::sync::OnceLock<(bool, bool)>,
-    name: &str,
-    default: &str,
-    scheme: Fp8Scheme,
-) -> bool {
-    let parse = |v: &str| match v {
-        "all" => Some((true, true)),
-        "tensor" => Some((true, false)),
-        "block" => Some((false, true)),
-        "off" => Some((false, false)),
-        _ => None,
-    };
-    let (tensor, block) = *cell.get_or_init(|| {
-        let fallback = parse(default).unwrap_or((false, false));
-        match std::env::var(name) {
-            Err(_) => fallback,
-            Ok(v) => parse(&v).unwrap_or_else(|| {
-                tracing::warn!(
-                    "{name}={v:?} is not one of [\"all\", \"tensor\", \"block\", \"off\"]; \
-                     using {default}"
-                );
-                fallback
-            }),
-        }
-    });
+/// Whether the schemes of a dev knob (`all`, `tensor`, `block` or `off`) cover `scheme`.
+fn covers(schemes: Fp8Schemes, scheme: Fp8Scheme) -> bool {
     match scheme {
-        Fp8Scheme::PerTensor => tensor,
-        Fp8Scheme::Block => block,
+        Fp8Scheme::PerTensor => schemes.tensor,
+        Fp8Scheme::Block => schemes.block,
     }
 }
 
 /// Dev-only knob of `lone_warpgroup` (read once per process; not a user setting).
-pub const DEV_FP8_LONE_WG_ENV: &str = "FMOE_DEV_FP8_LONE_WG";
+pub const DEV_FP8_LONE_WG_ENV: &str = fmoe_core::env::FMOE_DEV_FP8_LONE_WG;
 
 /// Dev-only: `FMOE_DEV_FP8_PAIR=<all|tensor|block|off>` picks the schemes whose warp-specialized
 /// kernels run in 2-block clusters ([`Fp8GemmConfig::pairs`]; default `tensor`), so one binary can
 /// time them all (read once per process; not a user setting).
-pub const DEV_FP8_PAIR_ENV: &str = "FMOE_DEV_FP8_PAIR";
-
-/// [`DEV_FP8_PAIR_ENV`] for `scheme`.
+/// `FMOE_DEV_FP8_PAIR` for `scheme`.
 fn dev_pair(scheme: Fp8Scheme) -> bool {
-    static CHOICE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
-    dev_schemes(&CHOICE, DEV_FP8_PAIR_ENV, "tensor", scheme)
+    covers(dev().fp8_pair, scheme)
 }
 
-/// What [`DEV_FP8_LARGE_ENV`] asks for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum DevLarge {
-    Default,
-    Sync,
-    /// The block-scaled large kernel with these `promote_pipe` (GEMM1, GEMM2) and `order_mma`.
-    Promote(usize, usize, bool),
+/// [`DEV_FP8_LARGE_ENV`]'s promotion schedule `(gemm1, gemm2, ordered)`.
+#[cfg(test)]
+const fn promote(gemm1: usize, gemm2: usize, ordered: bool) -> DevLarge {
+    DevLarge::Promote {
+        gemm1,
+        gemm2,
+        ordered,
+    }
 }
 
-/// [`DEV_FP8_LARGE_ENV`] (an unknown value is reported once on stderr and ignored).
+/// [`DEV_FP8_LARGE_ENV`].
 fn dev_large() -> DevLarge {
-    static CHOICE: std::sync::OnceLock<DevLarge> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var(DEV_FP8_LARGE_ENV).as_deref() {
-        Err(_) | Ok("default") => DevLarge::Default,
-        Ok("sync") => DevLarge::Sync,
-        Ok("promote-halves") => DevLarge::Promote(0, 0, false),
-        Ok("promote-drain1") => DevLarge::Promote(1, 1, false),
-        Ok("promote-drain2") => DevLarge::Promote(2, 2, false),
-        Ok("promote-drain4") => DevLarge::Promote(4, 4, false),
-        Ok("promote-gemm2-halves") => DevLarge::Promote(2, 0, false),
-        Ok("promote-ordered") => DevLarge::Promote(0, 0, true),
-        Ok("promote-gemm2-ordered") => DevLarge::Promote(2, 0, true),
-        Ok(other) => {
-            tracing::warn!(
-                "{DEV_FP8_LARGE_ENV}={other:?} is not one of [\"default\", \"sync\", \
-                 \"promote-halves\", \"promote-drain1\", \"promote-drain2\", \"promote-drain4\", \
-                 \"promote-gemm2-halves\", \"promote-ordered\", \"promote-gemm2-ordered\"]; \
-                 using the default"
-            );
-            DevLarge::Default
-        }
-    })
+    dev().fp8_large
 }
 
 fn dev_sync() -> bool {
@@ -642,10 +534,14 @@ fn dev_sync() -> bool {
 /// `cfg` with the promotion [`DEV_FP8_LARGE_ENV`] asks for, when it is the block-scaled large one.
 fn with_dev_promote(cfg: Fp8GemmConfig, dev: DevLarge) -> Fp8GemmConfig {
     match dev {
-        DevLarge::Promote(p1, p2, order_mma) if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
-            promote_pipe: p1,
-            promote_pipe_gemm2: p2,
-            order_mma,
+        DevLarge::Promote {
+            gemm1,
+            gemm2,
+            ordered,
+        } if cfg == FP8_BLOCK_LARGE => Fp8GemmConfig {
+            promote_pipe: gemm1,
+            promote_pipe_gemm2: gemm2,
+            order_mma: ordered,
             ..cfg
         },
         _ => cfg,
@@ -837,7 +733,7 @@ impl Fp8GemmConfig {
     /// D-077), per-tensor: Mixtral-8x7B M = 1024-16384 1.01-1.04× in two calls (a
     /// third less L2 traffic; GEMM1 ran at a higher clock under the power cap), DeepSeek-V3 a tie;
     /// block-scaled 0.94-1.02× (its MMA warps bound it, and the pair's rings move in step), so it
-    /// stays solo ([`DEV_FP8_PAIR_ENV`] overrides).
+    /// stays solo (`FMOE_DEV_FP8_PAIR` overrides).
     pub(super) fn pairs(&self) -> bool {
         self.ws && self.raster_gm > 1 && dev_pair(self.scheme)
     }
@@ -1056,7 +952,7 @@ mod tests {
         );
         // Ordering applies to the halves only: a quarters mode ignores it.
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0, true)).defines(1),
+            with_dev_promote(FP8_BLOCK_LARGE, promote(2, 0, true)).defines(1),
             FP8_BLOCK_LARGE_QUARTERS.defines(1)
         );
         let names: Vec<String> = variants().iter().map(KernelVariant::name).collect();
@@ -1178,7 +1074,7 @@ mod tests {
     /// the define follows.
     #[test]
     fn pairs_for_grouped_per_tensor_prefill_tiles_only() {
-        if std::env::var_os(DEV_FP8_PAIR_ENV).is_some() {
+        if dev().value_of(fmoe_core::env::FMOE_DEV_FP8_PAIR).is_some() {
             return; // the rule under test is the default
         }
         let one_block = Fp8GemmConfig {
@@ -1349,31 +1245,31 @@ mod tests {
         assert_eq!(Fp8GemmConfig::for_block_m(Block, 48), None);
         // The dev promotions replace only the block-scaled large kernel.
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0, false)),
+            with_dev_promote(FP8_BLOCK_LARGE, promote(0, 0, false)),
             FP8_BLOCK_LARGE_HALVES
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(4, 4, false)).defines(2)[4],
+            with_dev_promote(FP8_BLOCK_LARGE, promote(4, 4, false)).defines(2)[4],
             ("PIPE_PROMOTE", "4".to_string())
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(0, 0, true)),
+            with_dev_promote(FP8_BLOCK_LARGE, promote(0, 0, true)),
             FP8_BLOCK_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 0, false)).defines(2),
+            with_dev_promote(FP8_BLOCK_LARGE, promote(2, 0, false)).defines(2),
             FP8_BLOCK_LARGE_HALVES.defines(2)
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_LARGE, DevLarge::Promote(2, 2, false)),
+            with_dev_promote(FP8_BLOCK_LARGE, promote(2, 2, false)),
             FP8_BLOCK_LARGE_QUARTERS
         );
         assert_eq!(
-            with_dev_promote(FP8_TENSOR_LARGE, DevLarge::Promote(0, 0, false)),
+            with_dev_promote(FP8_TENSOR_LARGE, promote(0, 0, false)),
             FP8_TENSOR_LARGE
         );
         assert_eq!(
-            with_dev_promote(FP8_BLOCK_SCALED, DevLarge::Promote(1, 1, false)),
+            with_dev_promote(FP8_BLOCK_SCALED, promote(1, 1, false)),
             FP8_BLOCK_SCALED
         );
         assert_eq!(
