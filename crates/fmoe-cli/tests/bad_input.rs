@@ -780,3 +780,43 @@ fn usage_errors_are_one_line() {
     bad(&["kernels"], &["--method"]);
     bad(&["bench", "moe", "--tokens", "-1"], &["-1"]);
 }
+
+#[test]
+fn sampling_flags_are_checked_before_the_model_loads() {
+    // The model directory does not exist: the flag's error comes first.
+    for (flag, word) in [
+        ("--temperature=-1", "temperature"),
+        ("--temperature=nan", "temperature"),
+        ("--top-p=0", "top_p"),
+        ("--top-p=1.5", "top_p"),
+    ] {
+        bad(
+            &[
+                "generate",
+                "--model",
+                "/nonexistent/fmoe-model",
+                "--prompt-ids",
+                "1",
+                flag,
+            ],
+            &[word],
+        );
+    }
+}
+
+#[test]
+fn generate_max_tokens_near_usize_max_is_cut_at_the_context() {
+    // prompt + max_tokens would wrap: generation stops at the model's context instead.
+    let m = fixture();
+    let mut args = generate_args(&m);
+    let n = args.len();
+    args[n - 1] = "18446744073709551615";
+    args.extend(["--ignore-eos", "--json"]);
+    let out = run(&args);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&args, &out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let j: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    assert_eq!(j["finish_reason"], "length");
+    // A 2-token prompt in a 256-position context: 254 new tokens.
+    assert_eq!(j["token_ids"].as_array().unwrap().len(), 254, "{j}");
+}
