@@ -8,6 +8,7 @@
 //! sequence at a time, so only the sequences that fail alone finish with
 //! [`FinishReason::Error`]: no request loses its output to another's.
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +20,7 @@ use fmoe_models::{CausalLm, ModelInfo, SeqStep, StepLogits, Tokenizer};
 use crate::block_manager::{BlockManager, SeqBlocks};
 use crate::detokenize::{IncrementalDecoder, StopMatcher};
 use crate::request::{FinishReason, Request, RequestId, RequestOutput, Timings};
-use crate::runner::ModelRunner;
+use crate::runner::{ModelRunner, StepOutput};
 use crate::sampler::{Sampler, TokenLogprobs, logprobs};
 use crate::scheduler::{Schedulable, Scheduled, Scheduler, SchedulerConfig};
 use crate::{Error, Result};
@@ -385,8 +386,12 @@ impl Engine {
         let mut finished = Vec::new();
         for (sc, result) in scheduled.iter().zip(results) {
             let s = &mut self.scheduler.running[sc.index];
-            let rows = match result {
-                Ok(rows) => rows,
+            let rows = match result.as_ref().map(|r| r.out.rows(r.index)) {
+                Ok(Ok(rows)) => rows,
+                Ok(Err(e)) => {
+                    finished.push((sc.index, None, Some(FinishReason::Error(e.to_string()))));
+                    continue;
+                }
                 Err(e) => {
                     finished.push((sc.index, None, Some(FinishReason::Error(e.to_string()))));
                     continue;
@@ -490,14 +495,14 @@ impl Engine {
     /// so that only the sequences that fail alone get the error, in about log2(batch) extra
     /// passes per failing sequence. Returns each sequence's logits rows. (A failed pass leaves
     /// its new tokens' pool rows undefined, but nothing advanced: the rerun writes them again.)
-    fn run_isolating(&mut self, scheduled: &[Scheduled]) -> Vec<Result<Vec<f32>>> {
+    fn run_isolating(&mut self, scheduled: &[Scheduled]) -> Vec<Result<SeqRows>> {
         // Track the peak before the pass: blocks were allocated by the scheduler.
         let used = self.scheduler.blocks.num_used_blocks();
         self.stats.peak_blocks = self.stats.peak_blocks.max(used);
         self.run_halving(scheduled)
     }
 
-    fn run_halving(&mut self, scheduled: &[Scheduled]) -> Vec<Result<Vec<f32>>> {
+    fn run_halving(&mut self, scheduled: &[Scheduled]) -> Vec<Result<SeqRows>> {
         match self.run(scheduled) {
             Ok(rows) => rows.into_iter().map(Ok).collect(),
             Err(e) if scheduled.len() == 1 => vec![Err(e)],
@@ -510,8 +515,7 @@ impl Engine {
         }
     }
 
-    fn run(&mut self, scheduled: &[Scheduled]) -> Result<Vec<Vec<f32>>> {
-        let vocab = self.runner.info().vocab_size;
+    fn run(&mut self, scheduled: &[Scheduled]) -> Result<Vec<SeqRows>> {
         let running = &self.scheduler.running;
         let steps: Vec<SeqStep> = scheduled
             .iter()
@@ -534,14 +538,20 @@ impl Engine {
                 }
             })
             .collect();
-        let out = self.runner.run(&steps)?;
-        let logits = out.logits;
-        Ok(out
-            .spans
-            .iter()
-            .map(|&(first, n)| logits[first * vocab..(first + n) * vocab].to_vec())
+        let out = Rc::new(self.runner.run(&steps)?);
+        Ok((0..scheduled.len())
+            .map(|i| SeqRows {
+                out: out.clone(),
+                index: i,
+            })
             .collect())
     }
+}
+
+/// One sequence's logits rows in a step's output (shared by the step's sequences, not copied).
+struct SeqRows {
+    out: Rc<StepOutput>,
+    index: usize,
 }
 
 struct Sampled {

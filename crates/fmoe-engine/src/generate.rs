@@ -136,7 +136,8 @@ pub fn generate(
             }
         }
     }
-    let index_of = |id: u64| ids.iter().position(|&x| x == id);
+    let index_of: std::collections::HashMap<u64, usize> =
+        ids.iter().enumerate().map(|(i, &id)| (id, i)).collect();
     let mut unfinished = if params.max_tokens == 0 {
         0
     } else {
@@ -155,7 +156,9 @@ pub fn generate(
         let mut sampled = 0;
         let mut prefill = false;
         for out in step {
-            let Some(i) = index_of(out.id) else { continue };
+            let Some(&i) = index_of.get(&out.id) else {
+                continue;
+            };
             let o = &mut outputs[i];
             if o.token_ids.is_empty() && !out.new_token_ids.is_empty() {
                 prefill = true;

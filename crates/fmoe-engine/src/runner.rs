@@ -15,10 +15,29 @@ use fmoe_models::{CausalLm, ForwardInput, KvPool, ModelInfo, SeqStep, StepLogits
 
 use crate::{Error, Result};
 
-/// A step's logits on the host: f32 `[rows, vocab]`, and each sequence's (first row, rows).
+/// A step's logits on the host, f32 `[rows, vocab]` as the download left them (no copy), and
+/// each sequence's (first row, rows).
 pub struct StepOutput {
-    pub logits: Vec<f32>,
-    pub spans: Vec<(usize, usize)>,
+    logits: Tensor,
+    spans: Vec<(usize, usize)>,
+    vocab: usize,
+}
+
+impl StepOutput {
+    /// Every row, sequence after sequence.
+    pub fn logits(&self) -> Result<&[f32]> {
+        Ok(self.logits.cpu_slice::<f32>("ModelRunner::run", "logits")?)
+    }
+
+    pub fn spans(&self) -> &[(usize, usize)] {
+        &self.spans
+    }
+
+    /// The rows of the step's sequence `i`.
+    pub fn rows(&self, i: usize) -> Result<&[f32]> {
+        let (first, n) = self.spans[i];
+        Ok(&self.logits()?[first * self.vocab..(first + n) * self.vocab])
+    }
 }
 
 /// A model and its KV pool.
@@ -65,8 +84,9 @@ impl ModelRunner {
         let out = self.model.forward(&input, &mut self.pool)?;
         let logits: Tensor = out.into_host()?;
         Ok(StepOutput {
-            logits: logits.to_f32_vec()?,
+            logits,
             spans: input.logit_spans().to_vec(),
+            vocab: self.model.info().vocab_size,
         })
     }
 }
@@ -208,7 +228,7 @@ impl DirectSession {
                 logits,
             })
             .collect();
-        let rows = self.runner.run(&steps)?.logits;
+        let rows = self.runner.run(&steps)?.logits()?.to_vec();
         for c in chunks {
             if let Some(s) = self.seqs.get_mut(&c.seq) {
                 s.len += c.tokens.len();
